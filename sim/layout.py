@@ -1,0 +1,252 @@
+"""Typed, validated, serialisable descriptions of a world and a model layout.
+
+`WorldSpec` is the process layout (tensor, pipeline, context, data and expert parallel sizes and
+the backend); `ModelLayout` is what a Megatron model config says about layers, MoE placement,
+multi-token prediction and routing. `Setup` binds the two and checks that they fit together.
+Every rule that Megatron enforces when it builds a model of this shape is checked here, and a
+violation names the field and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+RoutingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+AUX_LOSS_TYPES: tuple[RoutingType, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+TRACK_NAME_OF: dict[str, str] = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class Frozen(BaseModel):
+    """Base for the immutable, strictly-validated models of this package."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WorldSpec(Frozen):
+    """The process layout: one OS process per rank, ``tp * cp * dp * pp`` ranks in all."""
+
+    tp: PositiveInt = 1
+    pp: PositiveInt = 1
+    cp: PositiveInt = 1
+    dp: PositiveInt = 1
+    ep: PositiveInt = 1
+    backend: Literal["gloo", "nccl"] = "gloo"
+
+    @model_validator(mode="after")
+    def _expert_parallel_fits(self) -> WorldSpec:
+        if (self.dp * self.cp) % self.ep != 0:
+            raise ValueError(
+                f"ep: expert parallel size {self.ep} must divide dp * cp = {self.dp * self.cp} "
+                "(Megatron places expert-parallel ranks inside the data x context ranks of a stage)"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def key(self) -> str:
+        """A short stable name for the shape, used to key pools of live worlds."""
+        return (
+            f"{self.backend}-tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}-ep{self.ep}"
+        )
+
+
+class EvenSplit(Frozen):
+    """Megatron's default: ``num_layers / pp`` layers on every stage."""
+
+    kind: Literal["even"] = "even"
+
+
+class FirstLastSplit(Frozen):
+    """Megatron's ``num_layers_in_first_pipeline_stage`` / ``..._last_...``: the rest even."""
+
+    kind: Literal["first_last"] = "first_last"
+    first: Annotated[int, Field(ge=0)] | None = None
+    last: Annotated[int, Field(ge=0)] | None = None
+
+
+class ExplicitSplit(Frozen):
+    """Any per-stage list of layer counts (a stage may hold no transformer layer)."""
+
+    kind: Literal["explicit"] = "explicit"
+    layers: list[Annotated[int, Field(ge=0)]]
+
+
+StageSplit = Annotated[EvenSplit | FirstLastSplit | ExplicitSplit, Field(discriminator="kind")]
+
+
+class ModelLayout(Frozen):
+    """The parts of a Megatron ``TransformerConfig`` that decide what the trackers hold."""
+
+    num_layers: PositiveInt
+    split: StageSplit = EvenSplit()
+    moe_layer_freq: PositiveInt | list[Literal[0, 1]] = 1
+    mtp_num_layers: Annotated[int, Field(ge=0)] = 0
+    mtp_is_moe: bool = True
+    routing_type: RoutingType | list[RoutingType] = "aux_loss"
+    aux_loss_coeff: Annotated[float, Field(ge=0)] | list[Annotated[float, Field(ge=0)]] = 0.01
+    z_loss_coeff: Annotated[float, Field(ge=0)] | None = None
+    num_experts: Annotated[int, Field(ge=2)] = 4
+    topk: PositiveInt = 2
+    microbatches: PositiveInt = 1
+    steps: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelLayout:
+        if isinstance(self.moe_layer_freq, list) and len(self.moe_layer_freq) != self.num_layers:
+            raise ValueError(
+                f"moe_layer_freq: a 0/1 pattern must have one entry per layer "
+                f"({len(self.moe_layer_freq)} entries for num_layers={self.num_layers})"
+            )
+        types = self.routing_type if isinstance(self.routing_type, list) else None
+        coeffs = self.aux_loss_coeff if isinstance(self.aux_loss_coeff, list) else None
+        if (types is None) != (coeffs is None):
+            raise ValueError(
+                "aux_loss_coeff: must be a list exactly when routing_type is a list "
+                f"(routing_type={self.routing_type!r}, aux_loss_coeff={self.aux_loss_coeff!r})"
+            )
+        if types is not None and coeffs is not None:
+            if len(types) != len(coeffs):
+                raise ValueError(
+                    f"aux_loss_coeff: {len(coeffs)} coefficients for {len(types)} routing types"
+                )
+            if len(set(types)) != len(types):
+                raise ValueError(f"routing_type: a routing type is listed twice: {types}")
+        if self.topk > self.num_experts:
+            raise ValueError(f"topk: {self.topk} exceeds num_experts={self.num_experts}")
+        return self
+
+    # -- derived facts -------------------------------------------------------------------------
+
+    @property
+    def track_length(self) -> int:
+        """Length of every tracker entry the router creates: ``num_layers + mtp_num_layers``."""
+        return self.num_layers + self.mtp_num_layers
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether 1-based main-model layer ``layer_number`` holds a router."""
+        if isinstance(self.moe_layer_freq, int):
+            return (layer_number - 1) % self.moe_layer_freq == 0
+        return self.moe_layer_freq[layer_number - 1] == 1
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Megatron's ``MoEMetricsTracker._count_moe_layers``: MoE main layers + every MTP layer."""
+        main = sum(1 for n in range(1, self.num_layers + 1) if self.is_moe_layer(n))
+        return main + self.mtp_num_layers
+
+    def aux_coeff(self, aux_type: str) -> float:
+        """The router's ``get_aux_loss_coeff``: the coefficient of ``aux_type``, 0.0 if absent."""
+        if isinstance(self.routing_type, list) and isinstance(self.aux_loss_coeff, list):
+            if aux_type in self.routing_type:
+                return self.aux_loss_coeff[self.routing_type.index(aux_type)]
+            return 0.0
+        if self.routing_type == aux_type and isinstance(self.aux_loss_coeff, float | int):
+            return float(self.aux_loss_coeff)
+        return 0.0
+
+    @property
+    def live_track_names(self) -> list[str]:
+        """The names the router records, in the order one forward records them."""
+        names = ["z_loss"] if self.z_loss_coeff is not None else []
+        names += [TRACK_NAME_OF[t] for t in AUX_LOSS_TYPES if self.aux_coeff(t) > 0]
+        return names
+
+
+class Setup(Frozen):
+    """A world and a model layout that fit together."""
+
+    world: WorldSpec = WorldSpec()
+    layout: ModelLayout
+
+    @model_validator(mode="after")
+    def _layout_fits_world(self) -> Setup:
+        self.layers_per_stage  # noqa: B018  (computing it validates the split)
+        return self
+
+    @cached_property
+    def layers_per_stage(self) -> list[int]:
+        """Number of main transformer layers on each pipeline stage."""
+        pp, n, split = self.world.pp, self.layout.num_layers, self.layout.split
+        if isinstance(split, EvenSplit):
+            if n < pp:
+                raise ValueError(
+                    f"num_layers: {n} layers cannot fill {pp} pipeline stages "
+                    "(fewer layers than stages)"
+                )
+            if n % pp != 0:
+                raise ValueError(
+                    f"split: an even split needs num_layers ({n}) divisible by pp ({pp})"
+                )
+            return [n // pp] * pp
+        if isinstance(split, ExplicitSplit):
+            if len(split.layers) != pp:
+                raise ValueError(
+                    f"split.layers: {len(split.layers)} stage sizes for pp={pp} stages"
+                )
+            if sum(split.layers) != n:
+                raise ValueError(
+                    f"split.layers: stage sizes sum to {sum(split.layers)}, num_layers is {n}"
+                )
+            return list(split.layers)
+        first = split.first
+        last = split.last
+        if pp == 1 and (first is not None or last is not None):
+            raise ValueError("split: first/last stage sizes need pp > 1")
+        rest = n - (first or 0) - (last or 0)
+        middle = pp - (first is not None) - (last is not None)
+        if rest < 0:
+            raise ValueError(
+                f"split: first ({first}) + last ({last}) exceed num_layers ({n})"
+            )
+        if middle == 0:
+            if rest != 0:
+                raise ValueError(
+                    f"split: first ({first}) + last ({last}) must equal num_layers ({n}) "
+                    "when there are no middle stages"
+                )
+            sizes: list[int] = []
+        else:
+            if rest % middle != 0:
+                raise ValueError(
+                    f"split: the {rest} remaining layers do not divide evenly over "
+                    f"{middle} middle stages"
+                )
+            sizes = [rest // middle] * middle
+        if first is not None:
+            sizes.insert(0, first)
+        if last is not None:
+            sizes.append(last)
+        return sizes
+
+    def stage_layer_numbers(self, stage: int) -> list[int]:
+        """1-based global numbers of the main layers on pipeline stage ``stage``."""
+        start = sum(self.layers_per_stage[:stage])
+        return list(range(start + 1, start + self.layers_per_stage[stage] + 1))
+
+    def moe_layers_on_stage(self, stage: int) -> list[int]:
+        """1-based global numbers of the main MoE layers on ``stage``."""
+        return [n for n in self.stage_layer_numbers(stage) if self.layout.is_moe_layer(n)]
+
+    def mtp_layers_on_stage(self, stage: int) -> list[int]:
+        """1-based MTP layer numbers on ``stage`` (all on the last stage)."""
+        if stage != self.world.pp - 1:
+            return []
+        return list(range(1, self.layout.mtp_num_layers + 1))
+
+    def records_moe(self, stage: int) -> bool:
+        """Whether any router lives on ``stage`` (main MoE layers, or MoE MTP layers)."""
+        return bool(self.moe_layers_on_stage(stage)) or (
+            self.layout.mtp_is_moe and bool(self.mtp_layers_on_stage(stage))
+        )

@@ -1,0 +1,99 @@
+"""What a rank knows and reports: its place in the world, tracker snapshots, recorded values.
+
+These models cross process boundaries (rank -> controller, through pickling) and end up in
+scenario files and reports (through JSON), so they hold plain data only: rank lists instead of
+process-group objects, float lists instead of tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from pipemetrics.sim.layout import Frozen
+
+Ranks = tuple[int, ...]
+
+
+class RankPlace(Frozen):
+    """Where one rank sits: its coordinates and the member ranks of each Megatron group."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    groups: dict[str, Ranks]
+    """Member ranks keyed by role: world, tp, pp, cp, dp (without cp), dp_cp, tp_cp, tp_dp_cp,
+    ep. The same names are used by synthetic records to say which group a value reduces over."""
+
+
+class EntrySnapshot(Frozen):
+    """One MoE tracker entry as a rank holds it before the call under test."""
+
+    values: list[float]
+    reduce_group: Ranks | None = None
+    avg_group: Ranks | None = None
+    needs_dp_avg: bool = True
+
+
+class MtpSnapshot(Frozen):
+    """``MTPLossLoggingHelper.tracker`` as a rank holds it before the call under test."""
+
+    loss: list[float]
+    correct: list[float]
+    total: list[float]
+    reduce_group: Ranks | None = None
+    avg_group: Ranks | None = None
+
+
+class TrackerSnapshot(Frozen):
+    """Both trackers of one rank; ``moe`` keeps the rank's insertion order."""
+
+    moe: dict[str, EntrySnapshot] = Field(default_factory=dict)
+    mtp: MtpSnapshot | None = None
+
+
+class MoeRecord(Frozen):
+    """One ``MoEMetricsTracker.record`` call: which name, which 1-based slot, what value.
+
+    ``reduce``/``avg`` name groups of `RankPlace.groups` (``None``: no such reduction), exactly as
+    Megatron's router passes them for the name.
+    """
+
+    name: str
+    layer_number: Annotated[int, Field(ge=1)]
+    value: float
+    num_layers: Annotated[int, Field(ge=1)]
+    reduce: str | None = None
+    avg: str | None = None
+    needs_dp_avg: bool = True
+
+
+class MtpRecord(Frozen):
+    """One ``MTPLossLoggingHelper.save_metrics_to_tracker`` call (``layer_number`` is 0-based)."""
+
+    layer_number: Annotated[int, Field(ge=0)]
+    num_layers: Annotated[int, Field(ge=1)]
+    loss: float
+    correct: Annotated[float, Field(ge=0)]
+    total: Annotated[float, Field(ge=0)]
+    reduce: str | None = None
+    avg: str | None = "dp_cp"
+
+
+class StepRecords(Frozen):
+    """Everything recorded on every rank during one training step, in recording order."""
+
+    moe: dict[int, list[MoeRecord]] = Field(default_factory=dict)
+    mtp: dict[int, list[MtpRecord]] = Field(default_factory=dict)
+
+
+ROUTER_REDUCTION: dict[str, tuple[str | None, str | None, bool]] = {
+    "load_balancing_loss": ("tp_cp", None, True),
+    "seq_load_balancing_loss": ("tp_cp", None, True),
+    "global_load_balancing_loss": ("tp_dp_cp", None, False),
+    "z_loss": (None, "tp_dp_cp", True),
+}
+"""(reduce group, avg group, needs_dp_avg) that megatron-core 0.19's router passes per name."""
