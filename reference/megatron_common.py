@@ -1,0 +1,561 @@
+"""Collectively safe metric helpers for Megatron-core trainers (reference implementation).
+
+Drop-in re-implementation of ``nemo_rl.models.megatron.common``: same names, parameters,
+defaults, return types and key formats. Vendor it by copying this single file; it imports only
+the standard library, ``torch`` and ``megatron.core`` (0.18/0.19 tracker API).
+
+Collective-safety rule used throughout: anything that may differ between ranks (arguments,
+what a rank recorded, buffers it passes) is first exchanged in ONE metadata round that every
+rank always enters (``all_gather_object``). Every rank then derives the same decision from the
+same gathered data: either all ranks raise the same ``ValueError`` or all ranks enter the same
+data collectives, in the same order, with the same shapes and dtypes. No rank is ever left
+blocked in a collective its peers abandoned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+__all__ = [
+    "_AUX_LOSS_TRACK_NAMES",
+    "_round_up_to_multiple",
+    "broadcast_tensor",
+    "get_aux_loss_track_names",
+    "get_moe_metrics",
+    "get_mtp_metrics",
+]
+
+#: Router load-balancing type -> tracker name it records (megatron-core 0.19 ``TopKRouter``),
+#: in the order the router applies them (``_apply_aux_loss``, ``_apply_seq_aux_loss``,
+#: ``_apply_global_aux_loss``).
+_AUX_LOSS_TRACK_NAMES: dict[str, str] = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+_Z_LOSS_NAME = "z_loss"
+
+# A group as described in metadata: None (no group), ("kind", <parallel_state kind>) or
+# ("custom", <sorted global member ranks>) for a group that matches no parallel_state group.
+_GroupDesc = tuple[str, Any] | None
+
+# Router-canonical groups for Megatron's names: (reduce kind, avg kind, needs_dp_avg).
+_CANONICAL: dict[str, tuple[str | None, str | None, bool]] = {
+    "load_balancing_loss": ("tensor_and_context", None, True),
+    "seq_load_balancing_loss": ("tensor_and_context", None, True),
+    "global_load_balancing_loss": ("tensor_data_context", None, False),
+    _Z_LOSS_NAME: (None, "tensor_data_context", True),
+}
+
+
+def _round_up_to_multiple(value: int, multiple: int) -> int:
+    """Return the least multiple of ``multiple`` that is ``>= value``.
+
+    ``_round_up_to_multiple(0, m) == 0``. Raises ``ValueError`` when ``value < 0`` or
+    ``multiple < 1``.
+    """
+    if value < -1:
+        raise ValueError(f"value must be non-negative, got {value}")
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    return -(-value // multiple) * multiple
+
+
+# --------------------------------------------------------------------------- aux-loss names
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """``getattr`` that treats a missing or failing attribute as absent (``None``)."""
+    try:
+        return getattr(obj, name)
+    except Exception:
+        return None
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _aux_coeff(routing_type: Any, coeff: Any, aux_type: str) -> float:
+    """Mirror ``TopKRouter.get_aux_loss_coeff``; anything malformed counts as 0.0."""
+    if isinstance(routing_type, str):
+        return float(coeff) if routing_type == aux_type and _is_number(coeff) else 0.0
+    if isinstance(routing_type, list | tuple):
+        if aux_type not in routing_type or not isinstance(coeff, list | tuple):
+            return 0.0
+        idx = list(routing_type).index(aux_type)
+        if idx < len(coeff) and _is_number(coeff[idx]):
+            return float(coeff[idx])
+    return 0.0
+
+
+def get_aux_loss_track_names(model_config: Any) -> list[str]:
+    """Return the aux-loss tracker names megatron-core 0.19's router records for a config.
+
+    Order is the order one router forward records them: ``"z_loss"`` first (``apply_z_loss``
+    runs before the aux losses), then ``"load_balancing_loss"`` (type ``"aux_loss"``),
+    ``"seq_load_balancing_loss"`` (``"seq_aux_loss"``), ``"global_load_balancing_loss"``
+    (``"global_aux_loss"``).
+
+    * ``z_loss`` is included whenever ``moe_z_loss_coeff`` is a number, including ``0.0``
+      (the router records it, as NaN, whenever the coefficient is not None).
+    * An aux loss is included when its coefficient, looked up exactly like
+      ``TopKRouter.get_aux_loss_coeff``, is ``> 0``. ``moe_router_load_balancing_type`` may be
+      a str or a list/tuple; with a list, ``moe_aux_loss_coeff`` must be a list/tuple and the
+      coefficient is taken at the index of the first occurrence of the type.
+    * Missing attributes, ``None``, and values of the wrong type (e.g. ``MagicMock``
+      attributes, bools, a scalar coefficient with a list routing type) are treated as absent.
+      Never raises for any ``model_config``.
+    """
+    names: list[str] = []
+    if _is_number(_attr(model_config, "moe_z_loss_coeff")):
+        names.append(_Z_LOSS_NAME)
+    routing_type = _attr(model_config, "moe_router_load_balancing_type")
+    coeff = _attr(model_config, "moe_aux_loss_coeff")
+    for aux_type, name in _AUX_LOSS_TRACK_NAMES.items():
+        if _aux_coeff(routing_type, coeff, aux_type) > 0:
+            names.append(name)
+    return names
+
+
+# --------------------------------------------------------------------------- broadcast
+
+
+def _comm_device(group: Any) -> torch.device:
+    """Device a collective on ``group`` needs: the current CUDA device for NCCL, else CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _dtype_from_str(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."))
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def _raise_if_any(problems: list[str], what: str) -> None:
+    if problems:
+        raise ValueError(f"{what}: " + "; ".join(problems))
+
+
+def broadcast_tensor(
+    tensor: torch.Tensor | None, src_rank: int, group: torch.distributed.ProcessGroup
+) -> torch.Tensor:
+    """Broadcast ``tensor`` from global rank ``src_rank`` to every rank of ``group``.
+
+    Every rank of ``group`` must call this. ``src_rank`` is a GLOBAL rank and must be a
+    member of ``group`` (checked identically on every rank, before any collective).
+
+    Protocol: one metadata round (``all_gather_object`` over ``group``) in which every rank
+    describes its input: the source its shape/dtype (or its error), each receiver its buffer
+    (shape, dtype, device) or ``None``. Every rank validates all descriptions; if anything is
+    wrong (source passed ``None`` or a non-tensor; a receiver buffer with the wrong shape,
+    dtype or device) EVERY rank raises the same ``ValueError`` naming the offending global
+    ranks. Otherwise all ranks enter one ``broadcast``.
+
+    The communication device follows ``dist.get_backend(group)``: ``"nccl"`` -> the current
+    CUDA device, anything else (gloo) -> CPU. A receiver buffer must live on that device.
+    The source may be on any device and non-contiguous (a contiguous, detached copy on the
+    communication device is sent). Works for 0-d, empty, bool, bfloat16 and integer tensors.
+
+    Returns: on the source, ``tensor`` itself; on a receiver, the given buffer filled in place,
+    or a new tensor on the communication device when ``None`` was passed.
+    """
+    me = dist.get_rank()
+    ranks = dist.get_process_group_ranks(group)
+    if src_rank not in ranks:
+        raise ValueError(f"src_rank {src_rank} (global) is not a member of the group {ranks}")
+    if me not in ranks:
+        raise ValueError(f"rank {me} called broadcast_tensor for a group {ranks} it is not in")
+    device = _comm_device(group)
+
+    desc: tuple[Any, ...]
+    if me == src_rank:
+        if isinstance(tensor, torch.Tensor):
+            desc = ("src", tuple(tensor.shape), str(tensor.dtype))
+        else:
+            desc = ("src_error", f"source rank {me} passed {type(tensor).__name__}, not a Tensor")
+    elif tensor is None:
+        desc = ("recv_none",)
+    elif isinstance(tensor, torch.Tensor):
+        desc = ("recv", tuple(tensor.shape), str(tensor.dtype), str(tensor.device))
+    else:
+        desc = ("recv_error", f"rank {me} passed {type(tensor).__name__} as buffer")
+
+    gathered: list[Any] = [None] * len(ranks)
+    dist.all_gather_object(gathered, desc, group=group)
+    src_desc = gathered[ranks.index(src_rank)]
+    if src_desc[0] == "src_error":
+        raise ValueError(f"broadcast_tensor: {src_desc[1]}")
+    shape, dtype_name = src_desc[1], src_desc[2]
+    problems: list[str] = []
+    for rank, d in zip(ranks, gathered, strict=True):
+        if d[0] == "recv_error":
+            problems.append(d[1])
+        elif d[0] == "recv":
+            wrong = []
+            if d[1] != shape:
+                wrong.append(f"shape {list(d[1])} (source {list(shape)})")
+            if d[2] != dtype_name:
+                wrong.append(f"dtype {d[2]} (source {dtype_name})")
+            if torch.device(d[3]) != device:
+                wrong.append(f"device {d[3]} (backend needs {device})")
+            if wrong:
+                problems.append(f"rank {rank} buffer has " + ", ".join(wrong))
+    _raise_if_any(problems, "broadcast_tensor")
+
+    if me == src_rank:
+        assert tensor is not None
+        send = tensor.detach().to(device).contiguous()
+        dist.broadcast(send, src=src_rank, group=group)
+        return tensor
+    if tensor is None:
+        out = torch.empty(shape, dtype=_dtype_from_str(dtype_name), device=device)
+        dist.broadcast(out, src=src_rank, group=group)
+        return out
+    recv = tensor if tensor.is_contiguous() else torch.empty_like(tensor).contiguous()
+    with torch.no_grad():
+        dist.broadcast(recv, src=src_rank, group=group)
+        if recv is not tensor:
+            tensor.copy_(recv)
+    return tensor
+
+
+# --------------------------------------------------------------------------- MoE metrics
+
+
+class _EntryMeta(NamedTuple):
+    length: int
+    dtype: str
+    reduce: _GroupDesc
+    avg: _GroupDesc
+    needs_dp_avg: bool
+
+
+def _known_groups() -> list[tuple[str, Any]]:
+    """This rank's parallel_state groups, in match-priority order (router groups first)."""
+    ps = parallel_state
+    getters: list[tuple[str, Callable[[], Any]]] = [
+        ("tensor_and_context", lambda: ps.get_tensor_and_context_parallel_group(False)),
+        (
+            "tensor_data_context",
+            lambda: ps.get_tensor_and_data_parallel_group(False, with_context_parallel=True),
+        ),
+        ("tensor_and_data", lambda: ps.get_tensor_and_data_parallel_group(False)),
+        ("data", lambda: ps.get_data_parallel_group()),
+        ("data_context", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        ("context", lambda: ps.get_context_parallel_group(False)),
+        ("tensor", lambda: ps.get_tensor_model_parallel_group(False)),
+        ("pipeline", lambda: ps.get_pipeline_model_parallel_group(False)),
+        ("model", lambda: ps.get_model_parallel_group(False)),
+        ("expert_model", lambda: ps.get_expert_model_parallel_group(False)),
+        ("expert_tensor", lambda: ps.get_expert_tensor_parallel_group(False)),
+        ("expert_data", lambda: ps.get_expert_data_parallel_group(False)),
+        ("world", lambda: dist.group.WORLD),
+    ]
+    found = []
+    for kind, get in getters:
+        try:
+            group = get()
+            if group is not None:
+                dist.get_process_group_ranks(group)
+                found.append((kind, group))
+        except Exception:
+            continue
+    return found
+
+
+def _describe_group(group: Any, known: list[tuple[str, Any]]) -> _GroupDesc:
+    if group is None:
+        return None
+    for kind, g in known:
+        if g is group:
+            return ("kind", kind)
+    members = sorted(dist.get_process_group_ranks(group))
+    for kind, g in known:
+        if sorted(dist.get_process_group_ranks(g)) == members:
+            return ("kind", kind)
+    return ("custom", tuple(members))
+
+
+def _fmt_group(d: _GroupDesc) -> str:
+    return "None" if d is None else (d[1] if d[0] == "kind" else f"custom{list(d[1])}")
+
+
+def _is_placeholder(entry: Any) -> bool:
+    """An all-zero entry with MetricEntry's default groups (e.g. from ensure_initialized)."""
+    return (
+        entry.reduce_group is None
+        and entry.avg_group is None
+        and entry.needs_dp_avg is True
+        and not bool(entry.values.any())
+    )
+
+
+def _validate_args(
+    loss_scale: Any,
+    total_loss_dict: Any,
+    num_layers: Any,
+    mtp_num_layers: Any,
+    track_names: Any,
+    num_moe_layers: Any,
+) -> str | None:
+    if not _is_number(loss_scale):
+        return f"loss_scale must be a number, got {loss_scale!r}"
+    if total_loss_dict is not None and not isinstance(total_loss_dict, dict):
+        return "total_loss_dict must be a dict or None"
+    for label, v in (("num_layers", num_layers), ("mtp_num_layers", mtp_num_layers)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            return f"{label} must be None or an int >= 0, got {v!r}"
+    if track_names is not None and (
+        not isinstance(track_names, list | tuple)
+        or not all(isinstance(n, str) for n in track_names)
+    ):
+        return f"track_names must be None or a list of str, got {track_names!r}"
+    if num_moe_layers is not None and (
+        not isinstance(num_moe_layers, int)
+        or isinstance(num_moe_layers, bool)
+        or num_moe_layers < 1
+    ):
+        return f"num_moe_layers must be None or an int >= 1, got {num_moe_layers!r}"
+    return None
+
+
+def _ranks_by(items: Iterable[tuple[int, Any]]) -> str:
+    """Format {value: [ranks]} groupings, e.g. 'ranks [0, 1]: x; ranks [2]: y'."""
+    by: dict[Any, list[int]] = {}
+    for rank, value in items:
+        by.setdefault(value, []).append(rank)
+    return "; ".join(f"ranks {rs}: {v}" for v, rs in by.items())
+
+
+def _plan(
+    payloads: list[dict[str, Any]], distributed: bool
+) -> tuple[dict[str, int], dict[str, _EntryMeta], list[str]]:
+    """From every rank's metadata derive (agreed lengths, settings for ranks lacking a name,
+    errors). Pure and deterministic, so every rank reaches the same verdict."""
+    errors = [f"rank {r}: {p['error']}" for r, p in enumerate(payloads) if p["error"]]
+    if errors:
+        return {}, {}, errors
+    lengths: dict[str, int] = {}
+    for p in payloads:
+        for name, meta in p["entries"].items():
+            lengths[name] = max(lengths.get(name, 0), meta.length)
+        for name in p["track_names"]:
+            lengths[name] = max(lengths.get(name, 0), p["requested_length"])
+    lengths = {n: k for n, k in lengths.items() if k > 0}
+    settings: dict[str, _EntryMeta] = {}
+    for name in sorted(lengths):
+        holders = [(r, p["entries"][name]) for r, p in enumerate(payloads) if name in p["entries"]]
+        sigs = {(m.dtype, _sig(m.reduce), _sig(m.avg), m.needs_dp_avg) for _, m in holders}
+        if len(sigs) > 1:
+            detail = _ranks_by(
+                (
+                    r,
+                    f"dtype={m.dtype} reduce={_fmt_group(m.reduce)} avg={_fmt_group(m.avg)} "
+                    f"needs_dp_avg={m.needs_dp_avg}",
+                )
+                for r, m in holders
+            )
+            errors.append(f"'{name}' recorded with different reduction settings ({detail})")
+            continue
+        if holders:
+            meta = holders[0][1]
+        else:
+            red, avg, dp = _CANONICAL.get(name, (None, None, True))
+            meta = _EntryMeta(
+                lengths[name],
+                str(torch.float32),
+                ("kind", red) if red else None,
+                ("kind", avg) if avg else None,
+                dp,
+            )
+        settings[name] = meta
+        missing = [r for r, p in enumerate(payloads) if name not in p["entries"]]
+        for d in (meta.reduce, meta.avg):
+            lacking = [
+                r
+                for r in missing
+                if distributed
+                and d is not None
+                and (d[0] == "custom" or d[1] not in payloads[r]["kinds"])
+            ]
+            if lacking:
+                errors.append(
+                    f"ranks {lacking} did not record '{name}' and cannot find its group "
+                    f"{_fmt_group(d)} in megatron.core.parallel_state"
+                )
+    return lengths, settings, errors
+
+
+def _sig(d: _GroupDesc) -> _GroupDesc:
+    """Rank-independent form of a group description (custom member lists differ per rank)."""
+    return ("custom", None) if d is not None and d[0] == "custom" else d
+
+
+def get_moe_metrics(
+    loss_scale: float,
+    total_loss_dict: dict[Any, Any] | None = None,
+    per_layer_logging: bool = False,
+    num_layers: int | None = None,
+    mtp_num_layers: int | None = None,
+    track_names: list[str] | None = None,
+    *,
+    num_moe_layers: int | None = None,
+) -> dict[str, Any]:
+    """Reduce Megatron's MoE metrics tracker across all ranks and return flat metrics.
+
+    Must be called on EVERY rank of the default (world) group; collectively safe whatever
+    each rank recorded. Steps:
+
+    1. Metadata round: ``all_gather_object`` over the world of each rank's argument errors,
+       local tracker entries ``{name: (length, dtype, reduce group, avg group,
+       needs_dp_avg)}``, ``track_names`` and requested length ``num_layers +
+       (mtp_num_layers or 0)`` (only when ``num_layers`` is given and ``track_names`` is
+       non-empty; else 0). Groups are described by their ``megatron.core.parallel_state`` kind,
+       matched by object identity, then by member ranks.
+    2. Live names = union over ranks of recorded names and ``track_names``. Agreed length
+       per name = max of all entry lengths and the requested lengths of ranks listing it; a
+       name whose agreed length is 0 (only in ``track_names``, recorded nowhere, no
+       ``num_layers``) is dropped. If any rank's arguments are invalid, ranks disagree on a
+       name's dtype/groups/``needs_dp_avg``, or a rank lacking a name cannot find the
+       matching group locally, EVERY rank raises the same ``ValueError`` naming the ranks.
+    3. Every rank ensures an entry for each live name (``tracker.ensure_initialized`` on the
+       backend's device: current CUDA device for NCCL, else CPU), zero-pads shorter entries
+       to the agreed length, and gives a locally missing name the canonical settings of the
+       ranks that recorded it (or, if none did, the router's: aux/seq -> SUM over
+       tensor+context, DP avg; global -> SUM over tensor+data+context, no DP avg; z_loss ->
+       AVG over tensor+data+context, DP avg; other names -> no groups, DP avg). An all-zero
+       local entry with Megatron's default settings (a pre-initialised placeholder) counts
+       as missing.
+    4. ``tracker._sync_metrics(sorted(live))``: per name, in sorted order: pipeline SUM,
+       reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism).
+
+    Returns (identical on every rank), for each live name in sorted order,
+    ``{name: loss_scale * sum(v) / D}`` as a Python float, where ``v`` is the reduced
+    per-layer vector and ``D = len(v)``, or ``D = num_moe_layers`` when given (Megatron
+    ``report()`` normalisation). With ``per_layer_logging``, also
+    ``{"moe/{name}_layer_{i}": loss_scale * v[i]}`` (``i`` 0-based). With
+    ``total_loss_dict``, the mean is accumulated as a 0-d tensor
+    (``d[name] = d[name] + t`` if present, else ``t``). The tracker is cleared (values
+    zeroed, entries kept). Without an initialised ``torch.distributed`` everything is local.
+    """
+    tracker = get_moe_metrics_tracker()
+    error = _validate_args(
+        loss_scale, total_loss_dict, num_layers, mtp_num_layers, track_names, num_moe_layers
+    )
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and error is None and not parallel_state.model_parallel_is_initialized():
+        error = "megatron.core.parallel_state is not initialised"
+    known = _known_groups() if distributed and error is None else []
+    local: dict[str, _EntryMeta] = {}
+    if error is None:
+        try:
+            for name, entry in tracker.metrics.items():
+                if not _is_placeholder(entry):
+                    local[name] = _EntryMeta(
+                        int(entry.values.numel()),
+                        str(entry.values.dtype),
+                        _describe_group(entry.reduce_group, known),
+                        _describe_group(entry.avg_group, known),
+                        bool(entry.needs_dp_avg),
+                    )
+        except Exception as exc:  # e.g. a group this rank cannot query
+            error = f"cannot describe the local tracker entries: {exc!r}"
+    names = list(track_names or [])
+    payload = {
+        "error": error,
+        "entries": local,
+        "track_names": names,
+        "requested_length": (
+            num_layers + (mtp_num_layers or 0) if num_layers is not None and names else 0
+        ),
+        "kinds": [kind for kind, _ in known],
+    }
+    payloads: list[Any] = [payload]
+    if distributed:
+        payloads = [None] * dist.get_world_size()
+        dist.all_gather_object(payloads, payload)
+    lengths, settings, errors = _plan(payloads, distributed)
+    _raise_if_any(errors, "get_moe_metrics")
+
+    device = "cpu"
+    if distributed and dist.get_backend() == "nccl":
+        device = f"cuda:{torch.cuda.current_device()}"
+    groups = dict(known)
+    for name in sorted(lengths):
+        if name not in local:
+            meta = settings[name]
+            tracker.metrics.pop(name, None)  # drop a placeholder; re-created below
+            tracker.ensure_initialized(name, lengths[name], device=device)
+            entry = tracker.metrics[name]
+            entry.values = entry.values.to(_dtype_from_str(meta.dtype))
+            entry.reduce_group = groups[meta.reduce[1]] if distributed and meta.reduce else None
+            entry.avg_group = groups[meta.avg[1]] if distributed and meta.avg else None
+            entry.needs_dp_avg = meta.needs_dp_avg
+        entry = tracker.metrics[name]
+        short = lengths[name] - entry.values.numel()
+        if short > 0:
+            entry.values = torch.cat([entry.values, entry.values.new_zeros(short)])
+    if distributed:
+        tracker._sync_metrics(sorted(lengths))
+
+    result: dict[str, Any] = {}
+    per_layer: dict[str, Any] = {}
+    for name in sorted(lengths):
+        scaled = tracker.metrics[name].values.float() * loss_scale
+        mean = scaled.sum() / (num_moe_layers or scaled.numel())
+        result[name] = float(mean)
+        if total_loss_dict is not None:
+            prev = total_loss_dict.get(name)
+            total_loss_dict[name] = mean if prev is None else prev + mean
+        if per_layer_logging:
+            for i, value in enumerate(scaled.tolist()):
+                per_layer[f"moe/{name}_layer_{i}"] = float(value)
+    result.update(per_layer)
+    tracker.clear()
+    return result
+
+
+# --------------------------------------------------------------------------- MTP metrics
+
+
+def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
+    """Reduce Megatron's MTP tracker and return per-MTP-layer loss and acceptance rate.
+
+    A rank whose ``MTPLossLoggingHelper.tracker`` holds no ``"loss_values"`` returns ``{}``
+    without entering any collective (callers gate on the last pipeline stage and broadcast).
+    Otherwise, when ``torch.distributed`` is initialised, reduces exactly like
+    ``MTPLossLoggingHelper.reduce_metrics_in_tracker`` (loss: SUM over ``reduce_group`` then
+    AVG over ``avg_group``; correct/total counts: SUM over both; a ``None`` group is skipped,
+    e.g. after a previous clean), so every rank holding the tracker must call it.
+
+    Returns, for each MTP layer ``i`` (1-based), ``"mtp_{i}_loss"`` = ``loss_scale *`` the
+    reduced loss and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)``
+    clamped to ``[0, 100]`` (never scaled); all Python floats. Missing correct/total vectors
+    count as 0 correct / 1 total (Megatron's defaults). The tracker is cleaned afterwards
+    (``clean_metrics_in_tracker``: values zeroed, groups set to ``None``).
+    """
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_values" not in tracker:
+        return {}
+    if dist.is_available() and dist.is_initialized():
+        MTPLossLoggingHelper.reduce_metrics_in_tracker()
+    losses = tracker["loss_values"].float() * loss_scale
+    corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
+    totals = tracker.get("total_values", torch.ones_like(losses)).float()
+    result: dict[str, Any] = {}
+    for i in range(losses.numel()):
+        rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)
+        result[f"mtp_{i + 1}_loss"] = float(losses[i])
+        result[f"mtp_{i + 1}_acceptance_rate"] = min(max(rate, 0.0), 100.0)
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return result

@@ -1,0 +1,209 @@
+"""Interposition on torch.distributed collectives inside a rank process.
+
+While an `Interposer` is active, every collective issued through ``torch.distributed`` (the
+public functions and their twins in ``distributed_c10d``, which Megatron and most trainers call)
+is described as a `CollectiveCall` and handed to a gate before the real collective runs. The gate
+(the rank's link to the controller) blocks until the controller has seen the matching call of
+every member of the group and answers, so a mismatched or missing collective is diagnosed before
+the real backend can hang on it. Nested collectives (``broadcast_object_list`` issues two
+``broadcast``) run unintercepted under their outer call.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from pipemetrics.sim.protocol import CollectiveCall
+
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+)
+
+_PAYLOAD_ONLY = {"object_list", "obj", "object_gather_list", "scatter_object_input_list"}
+_IGNORED_ARGS = {"group", "async_op", "timeout", "weights_only", "device_ids", "wait_all_ranks"}
+_ROOT_ARGS = {"src", "dst"}
+_SKIP_FRAMES = (
+    os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/",
+    "torch/distributed/",
+    "torch/utils/",
+    "contextlib.py",
+)
+
+Gate = Callable[[CollectiveCall], None]
+"""Blocks until the collective may run; raises to abandon it."""
+
+
+def reduce_op_name(op: object) -> str:
+    """'SUM', 'AVG', ... for a ``ReduceOp`` or ``ReduceOp.RedOpType``."""
+    for name in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"):
+        if op == getattr(dist.ReduceOp, name, object()):
+            return name
+    return repr(op)
+
+
+def describe_value(name: str, value: object) -> str:
+    """The part of an argument that must agree across the group."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{list(value.shape)}@{value.device.type}"
+    if name in _PAYLOAD_ONLY:
+        return f"len={len(value)}" if isinstance(value, list | tuple) else "object"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(describe_value(name, v) for v in value) + "]"
+    if name == "op" or type(value).__name__ in ("ReduceOp", "RedOpType"):
+        return reduce_op_name(value)
+    return repr(value)
+
+
+def call_site(limit: int = 4) -> tuple[str, ...]:
+    """Innermost-first frames of the caller, skipping torch.distributed and the simulator."""
+    frames: list[str] = []
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        path = frame.filename.replace("\\", "/")
+        if any(skip in path for skip in _SKIP_FRAMES):
+            continue
+        frames.append(f"{path}:{frame.lineno} in {frame.name}")
+        if len(frames) == limit:
+            break
+    return tuple(frames)
+
+
+class Interposer:
+    """Installs gated wrappers on the torch.distributed collectives of this process.
+
+    ``rank`` is the global rank. Records every collective of the current task in ``calls``.
+    """
+
+    def __init__(self, rank: int, gate: Gate | None) -> None:
+        self.rank = rank
+        self.gate = gate
+        self.calls: list[CollectiveCall] = []
+        self._depth = 0
+        self._originals: dict[tuple[object, str], Callable[..., Any]] = {}
+
+    @contextmanager
+    def active(self) -> Iterator[list[CollectiveCall]]:
+        """Intercept collectives inside the block; yields the list of calls it records."""
+        self.calls = []
+        self._install()
+        try:
+            yield self.calls
+        finally:
+            self._uninstall()
+
+    def _install(self) -> None:
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapper = self._wrap(name, original)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    self._originals[(module, name)] = original
+                    setattr(module, name, wrapper)
+
+    def _uninstall(self) -> None:
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
+        self._originals.clear()
+
+    def _wrap(self, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if self._depth > 0:
+                return original(*args, **kwargs)
+            call = self._describe(op, signature, args, kwargs)
+            self.calls.append(call)
+            index = len(self.calls) - 1
+            if call.outcome == "not-member":
+                return original(*args, **kwargs)
+            if call.outcome == "pending" and self.gate is not None:
+                try:
+                    self.gate(call)
+                except BaseException:
+                    self.calls[index] = call.model_copy(update={"outcome": "aborted"})
+                    raise
+            self._depth += 1
+            begin = time.monotonic()
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                self.calls[index] = call.model_copy(
+                    update={"outcome": "failed", "seconds": time.monotonic() - begin}
+                )
+                raise
+            finally:
+                self._depth -= 1
+            outcome = "local" if call.outcome == "local" else "ran"
+            self.calls[index] = call.model_copy(
+                update={"outcome": outcome, "seconds": time.monotonic() - begin}
+            )
+            return result
+
+        collective.__wrapped__ = original  # type: ignore[attr-defined]
+        collective.__name__ = op
+        return collective
+
+    def _describe(
+        self, op: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> CollectiveCall:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        group = bound.arguments.get("group") or dist.group.WORLD
+        ranks = tuple(dist.get_process_group_ranks(group))
+        described = tuple(
+            (name, describe_value(name, value))
+            for name, value in bound.arguments.items()
+            if name not in _IGNORED_ARGS and (value is not None or name in _ROOT_ARGS)
+        )
+        if self.rank not in ranks:
+            outcome = "not-member"
+        elif len(ranks) == 1:
+            outcome = "local"
+        else:
+            outcome = "pending"
+        return CollectiveCall(
+            rank=self.rank,
+            index=len(self.calls),
+            op=op,
+            group_name=str(getattr(group, "group_name", id(group))),
+            group_ranks=ranks,
+            signature=described,
+            call_site=call_site(),
+            started_s=time.monotonic(),
+            outcome=outcome,  # type: ignore[arg-type]
+        )
+
+
+def installed_wrappers() -> list[str]:
+    """Names of the torch.distributed functions currently replaced by a wrapper (for tests)."""
+    return [n for n in COLLECTIVES if hasattr(getattr(dist, n, None), "__wrapped__")]
+
+
+__all__ = ["COLLECTIVES", "Gate", "Interposer", "call_site", "installed_wrappers"]

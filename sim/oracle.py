@@ -1,0 +1,422 @@
+"""An independent model of what every rank must return from the metric calls under test.
+
+Everything here is plain Python arithmetic on float64 values: no ``torch.distributed``, no
+Megatron reduction code and nothing of the implementation under test. A collective is modelled
+as a *stage*: every participating rank's vector is replaced by the SUM (or AVG) of the vectors of
+the members of that rank's group, all read before any is written. Chaining stages in Megatron's
+order gives the value each rank holds after the real collectives, whatever the groups are.
+
+The reference contract for ``get_moe_metrics`` (see `expected_moe_metrics`):
+
+* live names: the union over ranks of the tracker names, plus ``track_names`` when the call
+  pre-initialises (``num_layers`` and a non-empty ``track_names`` given);
+* every rank takes part in every live name's reductions with a vector of the agreed length
+  (zero-padded where shorter or missing), using the groups of the ranks that hold the name;
+* per-layer reduction as ``MoEMetricsTracker._sync_metrics``: SUM over the pipeline group, SUM
+  over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp).
+
+Mismatched groups (a rank listed in a group that its members do not agree on) make the real
+collectives hang or mix unrelated values, so they are rejected with `ValueError`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pipemetrics.sim.calls import MoeCall, MtpCall
+from pipemetrics.sim.records import (
+    ROUTER_REDUCTION,
+    EntrySnapshot,
+    MtpSnapshot,
+    RankPlace,
+    Ranks,
+    TrackerSnapshot,
+)
+from pipemetrics.sim.topology import GROUP_ROLES
+
+Op = Literal["sum", "avg"]
+Vectors = dict[int, list[float]]
+"""One float vector per participating rank."""
+GroupOf = dict[int, Ranks]
+"""Each participating rank's group members for one stage."""
+
+PER_LAYER_PREFIX = "moe/"
+"""Prefix of the per-layer keys; every other ``get_moe_metrics`` key is a per-name mean."""
+
+DEFAULT_REDUCTION: tuple[str | None, str | None, bool] = (None, None, True)
+"""Megatron's ``MetricEntry`` defaults, used for a name held nowhere and unknown to the router."""
+
+
+# -- group stages ------------------------------------------------------------------------------
+
+
+def check_groups(group_of: Mapping[int, Ranks], participants: Iterable[int]) -> None:
+    """Raise `ValueError` unless ``group_of`` partitions its ranks into agreeing groups.
+
+    Every rank must be a member of its own group, every member must be a participant, and every
+    member must name exactly the same group (otherwise the real collective hangs or mixes).
+    """
+    present = set(participants)
+    for rank, members in group_of.items():
+        if rank not in members:
+            raise ValueError(f"rank {rank} is not a member of its own group {members}")
+        for member in members:
+            if member not in present:
+                raise ValueError(
+                    f"group {members} of rank {rank} includes rank {member}, "
+                    "which does not take part in this collective"
+                )
+            if tuple(group_of.get(member, ())) != tuple(members):
+                raise ValueError(
+                    f"rank {rank} reduces over {members} but member {member} reduces over "
+                    f"{group_of.get(member)}: the collective would not match"
+                )
+
+
+def reduce_stage(
+    vectors: Mapping[int, Sequence[float]], group_of: Mapping[int, Ranks], op: Op
+) -> Vectors:
+    """One collective: each rank in ``group_of`` gets the SUM/AVG over its group's vectors.
+
+    Ranks absent from ``group_of`` do not take part and keep their vectors. All inputs are read
+    before any output is produced, as in a real all_reduce.
+    """
+    check_groups(group_of, vectors)
+    out: Vectors = {rank: list(values) for rank, values in vectors.items()}
+    for rank, members in group_of.items():
+        lengths = {len(vectors[m]) for m in members}
+        if len(lengths) != 1:
+            raise ValueError(f"group {members} reduces vectors of different lengths {lengths}")
+        columns = zip(*(vectors[m] for m in members), strict=True)
+        sums = [math.fsum(column) for column in columns]
+        out[rank] = [s / len(members) for s in sums] if op == "avg" else sums
+    return out
+
+
+def pad(values: Sequence[float], length: int) -> list[float]:
+    """``values`` as floats, zero-padded to ``length``."""
+    if len(values) > length:
+        raise ValueError(f"a vector of {len(values)} values does not fit length {length}")
+    return [float(v) for v in values] + [0.0] * (length - len(values))
+
+
+# -- MoE: which names, how long, which groups --------------------------------------------------
+
+
+def live_names(snapshots: Mapping[int, TrackerSnapshot], call: MoeCall) -> list[str]:
+    """Names the call reports: tracker names by rank then insertion order, then pre-init names."""
+    names: dict[str, None] = {}
+    for rank in sorted(snapshots):
+        names.update(dict.fromkeys(snapshots[rank].moe))
+    if call.preinit_length is not None and call.track_names:
+        names.update(dict.fromkeys(call.track_names))
+    return list(names)
+
+
+def holders_of(snapshots: Mapping[int, TrackerSnapshot], name: str) -> dict[int, EntrySnapshot]:
+    """The ranks whose tracker holds ``name``, with their entries, by ascending rank."""
+    return {r: snapshots[r].moe[name] for r in sorted(snapshots) if name in snapshots[r].moe}
+
+
+def agreed_length(holders: Mapping[int, EntrySnapshot], call: MoeCall) -> int:
+    """Vector length every rank reduces for a name: the longest entry or the pre-init length."""
+    lengths = [len(entry.values) for entry in holders.values()]
+    if call.preinit_length is not None:
+        lengths.append(call.preinit_length)
+    return max(lengths, default=0)
+
+
+@dataclass(frozen=True)
+class NameReduction:
+    """Per-rank groups of one name's stages 2-3 (``None``: no such stage) and the DP flag."""
+
+    reduce: GroupOf | None
+    avg: GroupOf | None
+    needs_dp_avg: bool
+
+
+def role_groups(role: str, places: Mapping[int, RankPlace]) -> GroupOf:
+    """Every rank's members of its group of role ``role``."""
+    return {rank: place.groups[role] for rank, place in places.items()}
+
+
+def optional_role_groups(role: str | None, places: Mapping[int, RankPlace]) -> GroupOf | None:
+    """`role_groups`, with ``None`` (no such stage) passed through."""
+    return None if role is None else role_groups(role, places)
+
+
+def matching_role(held: Mapping[int, Ranks], places: Mapping[int, RankPlace]) -> str | None:
+    """The first role whose members equal every holder's group, or ``None`` if none does."""
+    for role in GROUP_ROLES:
+        if all(places[rank].groups.get(role) == group for rank, group in held.items()):
+            return role
+    return None
+
+
+def extend_groups(held: Mapping[int, Ranks], places: Mapping[int, RankPlace], what: str) -> GroupOf:
+    """Every rank's group for one stage, given the groups of the ranks that hold the name.
+
+    A rank without the name joins the holder group that lists it; failing that, the group of
+    the same role as the holders' (a role is recognised by comparing with ``places``).
+    """
+    role = matching_role(held, places)
+    groups: GroupOf = {}
+    for rank, place in places.items():
+        if rank in held:
+            groups[rank] = held[rank]
+            continue
+        listing = [group for group in held.values() if rank in group]
+        if listing:
+            groups[rank] = listing[0]
+        elif role is not None:
+            groups[rank] = place.groups[role]
+        else:
+            raise ValueError(
+                f"{what}: rank {rank} does not hold the name, no holder's group lists it, and "
+                f"the holders' groups {dict(held)} match no known group role"
+            )
+    return groups
+
+
+def stage_groups(
+    holders: Mapping[int, EntrySnapshot],
+    places: Mapping[int, RankPlace],
+    name: str,
+    attribute: Literal["reduce_group", "avg_group"],
+) -> GroupOf | None:
+    """Every rank's group for the ``reduce_group``/``avg_group`` stage of a held name."""
+    held = {rank: getattr(entry, attribute) for rank, entry in holders.items()}
+    present = {rank: group for rank, group in held.items() if group is not None}
+    if not present:
+        return None
+    if len(present) != len(held):
+        raise ValueError(f"{name}: holders disagree on whether there is a {attribute}: {held}")
+    return extend_groups(present, places, f"{name}.{attribute}")
+
+
+def name_reduction(
+    name: str, holders: Mapping[int, EntrySnapshot], places: Mapping[int, RankPlace]
+) -> NameReduction:
+    """The reduction of ``name``: from its holders, else from the router's table, else defaults."""
+    if not holders:
+        reduce_role, avg_role, needs_dp_avg = ROUTER_REDUCTION.get(name, DEFAULT_REDUCTION)
+        return NameReduction(
+            optional_role_groups(reduce_role, places),
+            optional_role_groups(avg_role, places),
+            needs_dp_avg,
+        )
+    flags = {entry.needs_dp_avg for entry in holders.values()}
+    if len(flags) != 1:
+        raise ValueError(f"{name}: holders disagree on needs_dp_avg")
+    return NameReduction(
+        stage_groups(holders, places, name, "reduce_group"),
+        stage_groups(holders, places, name, "avg_group"),
+        flags.pop(),
+    )
+
+
+# -- MoE: the reduction and the result ---------------------------------------------------------
+
+
+def reduced_moe_vectors(
+    holders: Mapping[int, EntrySnapshot],
+    places: Mapping[int, RankPlace],
+    reduction: NameReduction,
+    length: int,
+) -> Vectors:
+    """Every rank's vector of one name after the four ``_sync_metrics`` stages."""
+    vectors: Vectors = {
+        rank: pad(holders[rank].values if rank in holders else [], length) for rank in places
+    }
+    vectors = reduce_stage(vectors, role_groups("pp", places), "sum")
+    if reduction.reduce is not None:
+        vectors = reduce_stage(vectors, reduction.reduce, "sum")
+    if reduction.avg is not None:
+        vectors = reduce_stage(vectors, reduction.avg, "avg")
+    if reduction.needs_dp_avg:
+        vectors = reduce_stage(vectors, role_groups("dp", places), "avg")
+    return vectors
+
+
+def name_metrics(name: str, values: Sequence[float], call: MoeCall) -> dict[str, float]:
+    """The keys one rank reports for one name: the scaled mean, then optional per-layer values."""
+    denominator = call.num_moe_layers if call.num_moe_layers is not None else len(values)
+    if denominator == 0:
+        raise ValueError(f"{name}: an empty vector has no mean")
+    metrics = {name: call.loss_scale * math.fsum(values) / denominator}
+    if call.per_layer_logging:
+        for i, value in enumerate(values):
+            metrics[f"{PER_LAYER_PREFIX}{name}_layer_{i}"] = call.loss_scale * value
+    return metrics
+
+
+def check_ranks(snapshots: Mapping[int, TrackerSnapshot], places: Mapping[int, RankPlace]) -> None:
+    """Raise `ValueError` when a snapshot belongs to a rank outside ``places``."""
+    unknown = sorted(set(snapshots) - set(places))
+    if unknown:
+        raise ValueError(f"snapshots of ranks {unknown} that have no place in the world")
+
+
+def expected_moe_metrics(
+    snapshots: dict[int, TrackerSnapshot], places: dict[int, RankPlace], call: MoeCall
+) -> dict[int, dict[str, float]]:
+    """What ``get_moe_metrics`` must return on every rank of ``places`` (see the module doc).
+
+    A rank missing from ``snapshots`` holds an empty tracker. For each live name a rank reports
+    ``loss_scale * sum(v) / D`` (``D``: ``call.num_moe_layers`` if given, else the agreed length)
+    and, with ``per_layer_logging``, ``moe/{name}_layer_{i}`` = ``loss_scale * v[i]``.
+    """
+    check_ranks(snapshots, places)
+    result: dict[int, dict[str, float]] = {rank: {} for rank in places}
+    for name in live_names(snapshots, call):
+        holders = holders_of(snapshots, name)
+        reduction = name_reduction(name, holders, places)
+        length = agreed_length(holders, call)
+        vectors = reduced_moe_vectors(holders, places, reduction, length)
+        for rank, values in vectors.items():
+            result[rank].update(name_metrics(name, values, call))
+    return result
+
+
+def expected_total_loss_dict(
+    per_call: Sequence[Mapping[int, Mapping[str, float]]],
+    initial: Mapping[int, Mapping[str, float]] | None = None,
+) -> dict[int, dict[str, float]]:
+    """Each rank's ``total_loss_dict`` after passing it to every call of ``per_call`` in turn.
+
+    ``per_call`` holds `expected_moe_metrics` results; only the per-name means (keys without the
+    ``moe/`` prefix) accumulate, by plain addition onto ``initial`` (empty by default).
+    """
+    totals: dict[int, dict[str, float]] = {
+        rank: dict(values) for rank, values in (initial or {}).items()
+    }
+    for metrics in per_call:
+        for rank, values in metrics.items():
+            total = totals.setdefault(rank, {})
+            for key, value in values.items():
+                if key.startswith(PER_LAYER_PREFIX):
+                    continue
+                total[key] = total[key] + value if key in total else value
+    return totals
+
+
+# -- MTP ---------------------------------------------------------------------------------------
+
+
+def mtp_groups(
+    holders: Mapping[int, MtpSnapshot], attribute: Literal["reduce_group", "avg_group"]
+) -> GroupOf:
+    """Groups of the MTP holders that have a ``reduce_group``/``avg_group`` (no one else joins)."""
+    groups: GroupOf = {}
+    for rank, snap in holders.items():
+        group = getattr(snap, attribute)
+        if group is not None:
+            groups[rank] = group
+    return groups
+
+
+def reduced_mtp_vectors(holders: Mapping[int, MtpSnapshot]) -> tuple[Vectors, Vectors, Vectors]:
+    """Loss, correct and total vectors of every MTP holder after the reductions.
+
+    Loss: SUM over reduce group, then AVG over avg group. Counts: SUM over both. All vectors are
+    zero-padded to the longest one held anywhere.
+    """
+    length = max(
+        (len(v) for s in holders.values() for v in (s.loss, s.correct, s.total)), default=0
+    )
+    loss = {rank: pad(s.loss, length) for rank, s in holders.items()}
+    correct = {rank: pad(s.correct, length) for rank, s in holders.items()}
+    total = {rank: pad(s.total, length) for rank, s in holders.items()}
+    reduce_groups, avg_groups = (
+        mtp_groups(holders, "reduce_group"),
+        mtp_groups(holders, "avg_group"),
+    )
+    loss = reduce_stage(reduce_stage(loss, reduce_groups, "sum"), avg_groups, "avg")
+    correct = reduce_stage(reduce_stage(correct, reduce_groups, "sum"), avg_groups, "sum")
+    total = reduce_stage(reduce_stage(total, reduce_groups, "sum"), avg_groups, "sum")
+    return loss, correct, total
+
+
+def acceptance_rate(correct: float, total: float) -> float:
+    """``100 * correct / max(total, 1)``, clamped into [0, 100] (NaN stays NaN)."""
+    rate = 100.0 * correct / max(total, 1.0)
+    if math.isnan(rate):
+        return rate
+    return min(100.0, max(0.0, rate))
+
+
+def mtp_rank_metrics(
+    loss: Sequence[float], correct: Sequence[float], total: Sequence[float], loss_scale: float
+) -> dict[str, float]:
+    """The keys one MTP holder reports, layers numbered from 1."""
+    metrics: dict[str, float] = {}
+    for i, (l_i, c_i, t_i) in enumerate(zip(loss, correct, total, strict=True), start=1):
+        metrics[f"mtp_{i}_loss"] = loss_scale * l_i
+        metrics[f"mtp_{i}_acceptance_rate"] = acceptance_rate(c_i, t_i)
+    return metrics
+
+
+def expected_mtp_metrics(
+    snapshots: dict[int, TrackerSnapshot], places: dict[int, RankPlace], call: MtpCall
+) -> dict[int, dict[str, float]]:
+    """What ``get_mtp_metrics`` must return on every rank of ``places``.
+
+    A rank without an MTP snapshot returns ``{}``; a holder reports ``mtp_{i}_loss`` (scaled) and
+    ``mtp_{i}_acceptance_rate`` (not scaled). A group that lists a rank without an MTP snapshot
+    is rejected: that rank would skip the collective and the others would hang.
+    """
+    check_ranks(snapshots, places)
+    holders = {rank: snap.mtp for rank, snap in sorted(snapshots.items()) if snap.mtp is not None}
+    loss, correct, total = reduced_mtp_vectors(holders)
+    result: dict[int, dict[str, float]] = {rank: {} for rank in places}
+    for rank in holders:
+        result[rank] = mtp_rank_metrics(loss[rank], correct[rank], total[rank], call.loss_scale)
+    return result
+
+
+# -- comparison --------------------------------------------------------------------------------
+
+
+def close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+    """Whether ``a`` and ``b`` agree: NaN equals NaN, infinities exactly, else within tolerance."""
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    if math.isinf(a) or math.isinf(b):
+        return a == b
+    return abs(a - b) <= max(abs_, rel * max(abs(a), abs(b)))
+
+
+def value_difference(key: str, expected: float, actual: object) -> str | None:
+    """Why ``actual`` is not an acceptable value for ``key``, or ``None`` if it is."""
+    if not isinstance(actual, float):
+        return f"{key!r}: value {actual!r} is of type {type(actual).__name__}, not float"
+    if not close(expected, actual):
+        return f"{key!r}: expected {expected!r}, got {actual!r}"
+    return None
+
+
+def compare_metrics(expected: dict[str, float], actual: object) -> list[str]:
+    """Human-readable differences between an expected metrics dict and what a rank returned.
+
+    Reports a non-dict result, missing keys, extra keys, non-float values and values that are
+    not `close`. An empty list means the result is acceptable.
+    """
+    if not isinstance(actual, dict):
+        return [f"result is of type {type(actual).__name__}, not dict: {actual!r}"]
+    problems = [
+        f"missing key {key!r} (expected {value!r})"
+        for key, value in expected.items()
+        if key not in actual
+    ]
+    problems += [
+        f"extra key {key!r} = {value!r}" for key, value in actual.items() if key not in expected
+    ]
+    for key, value in expected.items():
+        if key in actual:
+            difference = value_difference(key, value, actual[key])
+            if difference is not None:
+                problems.append(difference)
+    return problems

@@ -1,0 +1,107 @@
+"""Messages between the controller and the rank processes of a world.
+
+A rank sends `Ready` once, then for each task any number of `Call` (a collective it is about to
+issue, which it only issues after the controller answers `Go`) and one `Done`. The controller
+sends `Task`, `Go`/`Abort` answers, and `Shutdown`. All messages are pickled through a
+`multiprocessing` pipe, one per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pipemetrics.sim.layout import Frozen
+from pipemetrics.sim.records import RankPlace, Ranks, TrackerSnapshot
+
+
+class CollectiveCall(Frozen):
+    """One collective a rank issues, described well enough to match it with its peers'."""
+
+    rank: int
+    index: int
+    """0-based position of this call among the rank's collectives in the current task."""
+    op: str
+    group_name: str
+    group_ranks: Ranks
+    signature: tuple[tuple[str, str], ...]
+    """(argument, description) pairs that must agree across the group: shapes, dtypes, devices,
+    reduce op, source/destination, object-list lengths. Payload contents are not part of it."""
+    call_site: tuple[str, ...]
+    """Innermost-first ``file:line in function`` frames outside torch and pipemetrics.sim."""
+    started_s: float = 0.0
+    """Monotonic time the rank reached the collective."""
+    seconds: float | None = None
+    """Time the real collective took once released (None: never ran)."""
+    outcome: Literal["pending", "ran", "aborted", "local", "not-member", "failed"] = "pending"
+
+    def describe(self) -> str:
+        sig = ", ".join(f"{k}={v}" for k, v in self.signature)
+        return f"{self.op}({sig}) on group {list(self.group_ranks)}"
+
+
+class CallError(Frozen):
+    """An exception raised by the implementation under test (or by the harness in a rank)."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+class CallReport(Frozen):
+    """What one rank did for one call of one step."""
+
+    step: int
+    call: int
+    function: str
+    snapshot: TrackerSnapshot
+    value: Any = None
+    error: CallError | None = None
+    seconds: float = 0.0
+    collectives: list[CollectiveCall] = Field(default_factory=list)
+    total_loss_dict: dict[str, float] | None = None
+
+
+class Ready(Frozen):
+    kind: Literal["ready"] = "ready"
+    place: RankPlace
+    pid: int
+    startup_s: float
+
+
+class Call(Frozen):
+    kind: Literal["call"] = "call"
+    call: CollectiveCall
+
+
+class Done(Frozen):
+    kind: Literal["done"] = "done"
+    rank: int
+    reports: list[CallReport]
+    aborted: bool = False
+    harness_error: CallError | None = None
+    """A fault of pipemetrics itself inside the rank (filling the trackers, loading the target)."""
+    load_error: CallError | None = None
+    """The target could not be loaded in this rank."""
+
+
+class Go(Frozen):
+    kind: Literal["go"] = "go"
+
+
+class Abort(Frozen):
+    kind: Literal["abort"] = "abort"
+    reason: str
+
+
+class Shutdown(Frozen):
+    kind: Literal["shutdown"] = "shutdown"
+
+
+class Task(Frozen):
+    kind: Literal["task"] = "task"
+    scenario_json: str
+    gate: bool = True
+    """True: every collective waits for the controller's `Go`. False (raw mode): collectives run
+    unintercepted and are only logged."""

@@ -1,0 +1,389 @@
+"""The rank process: one per rank of a simulated world.
+
+Importing this module imports torch and megatron-core, so a fork server that preloads it makes
+every later rank start in milliseconds. `rank_main` joins the world (gloo over a FileStore in
+the world's private directory, groups from megatron's own ``initialize_model_parallel``),
+reports its place, then serves tasks until told to shut down. The same `serve` loop runs under
+torchrun (see `pipemetrics.sim.torchrun`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from pipemetrics.sim.interpose import Interposer
+from pipemetrics.sim.layout import Setup, WorldSpec
+from pipemetrics.sim.protocol import (
+    Abort,
+    Call,
+    CallError,
+    CallReport,
+    CollectiveCall,
+    Done,
+    Ready,
+    Shutdown,
+    Task,
+)
+from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.scenario import (
+    BroadcastCall,
+    CallSpec,
+    MoeCall,
+    MtpCall,
+    RoundUpCall,
+    Scenario,
+    Step,
+    TrackNamesCall,
+)
+from pipemetrics.sim.target import TargetLoadError, call_with_accepted, load_target
+from pipemetrics.sim.trackers import (
+    GroupsByRole,
+    apply_moe_records,
+    apply_mtp_records,
+    reset_trackers,
+    snapshot,
+)
+from pipemetrics.sim.values import encode, make_tensor
+
+PR_SET_PDEATHSIG = 1
+
+
+class SimAbort(BaseException):  # noqa: N818  (not an error of the target: a verdict unwinding)
+    """Raised inside a rank's blocked collective when the controller has reached a verdict.
+
+    A BaseException, so an implementation's ``except Exception`` cannot swallow it.
+    """
+
+
+def live_groups() -> dict[str, dist.ProcessGroup]:
+    """Megatron's process groups of this rank, by role (the roles of `RankPlace.groups`)."""
+    ps = parallel_state
+    return {
+        "world": dist.group.WORLD,  # type: ignore[dict-item]
+        "tp": ps.get_tensor_model_parallel_group(),
+        "pp": ps.get_pipeline_model_parallel_group(),
+        "cp": ps.get_context_parallel_group(),
+        "dp": ps.get_data_parallel_group(with_context_parallel=False),
+        "dp_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tp_cp": ps.get_tensor_and_context_parallel_group(),
+        "tp_dp_cp": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "ep": ps.get_expert_model_parallel_group(),
+    }
+
+
+def place_of(rank: int, groups: GroupsByRole) -> RankPlace:
+    ps = parallel_state
+    return RankPlace(
+        rank=rank,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(with_context_parallel=False),
+        groups={role: tuple(dist.get_process_group_ranks(g)) for role, g in groups.items()},
+    )
+
+
+@contextlib.contextmanager
+def cpu_as_current_device() -> Iterator[None]:
+    """Make ``torch.cuda.current_device()`` answer 'cpu' when no GPU is present.
+
+    Megatron's MTP tracker allocates with ``torch.cuda.current_device()``.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
+def join_world(spec: WorldSpec) -> dict[str, dist.ProcessGroup]:
+    """Build megatron's groups on the already initialised default process group."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        context_parallel_size=spec.cp,
+        expert_model_parallel_size=spec.ep,
+        create_gloo_process_groups=False,
+    )
+    return live_groups()
+
+
+class RankServer:
+    """Serves tasks for one rank over a connection to the controller."""
+
+    def __init__(self, rank: int, conn: Connection, groups: dict[str, dist.ProcessGroup]) -> None:
+        self.rank = rank
+        self.conn = conn
+        self.groups = groups
+        self.place = place_of(rank, groups)
+        self.interposer = Interposer(rank, self._gate)
+
+    def _gate(self, call: CollectiveCall) -> None:
+        self.conn.send(Call(call=call))
+        reply = self.conn.recv()
+        if isinstance(reply, Abort):
+            raise SimAbort(reply.reason)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except EOFError:
+                return
+            if isinstance(message, Shutdown):
+                return
+            if isinstance(message, Task):
+                self.conn.send(self.run(message))
+
+    def run(self, task: Task) -> Done:
+        self.interposer.gate = self._gate if task.gate else None
+        reports: list[CallReport] = []
+        try:
+            scenario = Scenario.model_validate_json(task.scenario_json)
+            reset_trackers()
+            try:
+                target = load_target(scenario.target)
+            except TargetLoadError as exc:
+                return Done(rank=self.rank, reports=[], load_error=_error(exc))
+            fill = self._filler(scenario)
+            totals: dict[str, Any] = {}
+            for step_index, step in enumerate(scenario.steps):
+                fill(step_index, step)
+                for call_index, spec in enumerate(step.calls):
+                    report = self._invoke(target, scenario, spec, step_index, call_index, totals)
+                    reports.append(report)
+                    if report.error is not None:
+                        return Done(rank=self.rank, reports=reports)
+        except SimAbort:
+            return Done(rank=self.rank, reports=reports, aborted=True)
+        except BaseException as exc:  # a harness fault must reach the controller, not kill us
+            return Done(rank=self.rank, reports=reports, harness_error=_error(exc))
+        return Done(rank=self.rank, reports=reports)
+
+    def _filler(self, scenario: Scenario) -> Callable[[int, Step], None]:
+        setup = scenario.setup
+        if scenario.mode == "router":
+            from pipemetrics.sim.router_fill import RouterStage
+
+            with cpu_as_current_device():
+                stage = RouterStage(setup, self.place.pp_rank, scenario.seed)
+
+            def fill_routers(step_index: int, step: Step) -> None:
+                with cpu_as_current_device():
+                    for microbatch in range(setup.layout.microbatches):
+                        stage.forward_microbatch(microbatch)
+                        stage.record_mtp(microbatch)
+
+            return fill_routers
+
+        def fill_records(step_index: int, step: Step) -> None:
+            if step.records is None:
+                return
+            with cpu_as_current_device():
+                apply_moe_records(step.records.moe.get(self.rank, []), self.groups)
+                apply_mtp_records(step.records.mtp.get(self.rank, []), self.groups)
+
+        return fill_records
+
+    def _invoke(
+        self,
+        target: ModuleType,
+        scenario: Scenario,
+        spec: CallSpec,
+        step: int,
+        index: int,
+        totals: dict[str, Any],
+    ) -> CallReport:
+        before = snapshot()
+        function = getattr(target, spec.function, None)
+        base = CallReport(step=step, call=index, function=spec.function, snapshot=before)
+        if not callable(function):
+            return base.model_copy(
+                update={
+                    "error": CallError(
+                        type="AbsentFunction",
+                        message=f"the target does not define {spec.function}",
+                        traceback="",
+                    )
+                }
+            )
+        arguments = self._arguments(scenario.setup, spec, totals)
+        begin = time.monotonic()
+        value: Any = None
+        error: CallError | None = None
+        with self.interposer.active() as calls, cpu_as_current_device():
+            try:
+                value = self._call(function, spec, arguments)
+            except SimAbort:
+                raise
+            except BaseException as exc:  # the target's fault, reported as such
+                error = _error(exc)
+        return base.model_copy(
+            update={
+                "value": encode(value, buffer=arguments.get("tensor")),
+                "error": error,
+                "seconds": time.monotonic() - begin,
+                "collectives": list(calls),
+                "total_loss_dict": (
+                    {k: float(torch.as_tensor(v).double().item()) for k, v in totals.items()}
+                    if isinstance(spec, MoeCall) and spec.use_total_loss_dict
+                    else None
+                ),
+            }
+        )
+
+    def _arguments(self, setup: Setup, spec: CallSpec, totals: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(spec, MoeCall):
+            kwargs: dict[str, Any] = {
+                "loss_scale": spec.loss_scale,
+                "per_layer_logging": spec.per_layer_logging,
+                "num_layers": spec.num_layers,
+                "mtp_num_layers": spec.mtp_num_layers,
+                "track_names": list(spec.track_names) if spec.track_names is not None else None,
+            }
+            if spec.use_total_loss_dict:
+                kwargs["total_loss_dict"] = totals
+            if spec.num_moe_layers is not None:
+                kwargs["num_moe_layers"] = spec.num_moe_layers
+            return kwargs
+        if isinstance(spec, MtpCall):
+            return {"loss_scale": spec.loss_scale}
+        if isinstance(spec, BroadcastCall):
+            return self._broadcast_arguments(spec)
+        if isinstance(spec, TrackNamesCall):
+            return {"model_config": model_config_of(setup)}
+        return {"value": spec.value, "multiple": spec.multiple}
+
+    def _broadcast_arguments(self, spec: BroadcastCall) -> dict[str, Any]:
+        group = self.groups[spec.group]
+        tensor: torch.Tensor | None = None
+        if self.rank == spec.src_rank:
+            if not spec.source_passes_none:
+                tensor = make_tensor(spec.shape, spec.dtype, spec.fill_seed, spec.non_contiguous)
+        elif self.rank in spec.buffers:
+            buf = spec.buffers[self.rank]
+            device = "cpu" if buf.device == "default" else buf.device
+            tensor = torch.zeros(buf.shape, dtype=getattr(torch, buf.dtype), device=device)
+        return {"tensor": tensor, "src_rank": spec.src_rank, "group": group}
+
+    @staticmethod
+    def _call(function: Callable[..., Any], spec: CallSpec, arguments: dict[str, Any]) -> Any:
+        if isinstance(spec, MoeCall | MtpCall):
+            return call_with_accepted(function, **arguments)
+        if isinstance(spec, BroadcastCall):
+            return function(arguments["tensor"], arguments["src_rank"], arguments["group"])
+        if isinstance(spec, TrackNamesCall):
+            return function(arguments["model_config"])
+        assert isinstance(spec, RoundUpCall)
+        return function(arguments["value"], arguments["multiple"])
+
+
+def model_config_of(setup: Setup) -> Any:
+    """The config attributes ``get_aux_loss_track_names`` reads, as Megatron's config has them."""
+    layout = setup.layout
+    return SimpleNamespace(
+        num_layers=layout.num_layers,
+        mtp_num_layers=layout.mtp_num_layers or None,
+        num_moe_experts=layout.num_experts,
+        moe_router_topk=layout.topk,
+        moe_router_load_balancing_type=layout.routing_type,
+        moe_aux_loss_coeff=layout.aux_loss_coeff,
+        moe_z_loss_coeff=layout.z_loss_coeff,
+        moe_layer_freq=layout.moe_layer_freq,
+    )
+
+
+def _error(exc: BaseException) -> CallError:
+    return CallError(
+        type=type(exc).__name__,
+        message=str(exc)[:4000],
+        traceback="".join(traceback.format_exception(exc))[-8000:],
+    )
+
+
+# -- process plumbing ----------------------------------------------------------------------------
+
+
+def _die_with(controller_pid: int) -> None:
+    """Never outlive the controller: kernel death signal plus a polling watchdog thread."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.25)
+            try:
+                os.kill(controller_pid, 0)
+            except ProcessLookupError:
+                os._exit(70)
+
+    threading.Thread(target=watch, name="pipemetrics-watchdog", daemon=True).start()
+
+
+def _redirect_output(directory: str, rank: int) -> Any:
+    """Send this rank's stdout/stderr to files in the world directory; stack dumps go there too."""
+    out = os.open(os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    stacks = open(os.path.join(directory, f"rank{rank}.stacks"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    return stacks
+
+
+def rank_main(
+    rank: int, spec_json: str, directory: str, conn: Connection, controller_pid: int
+) -> None:
+    """Entry point of a rank process started by `pipemetrics.sim.world.World`."""
+    began = time.monotonic()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(controller_pid)
+    stacks = _redirect_output(directory, rank)
+    torch.set_num_threads(1)
+    spec = WorldSpec.model_validate_json(spec_json)
+    code = 0
+    try:
+        store = dist.FileStore(os.path.join(directory, "store"), spec.world_size)
+        dist.init_process_group(
+            spec.backend,
+            store=store,
+            rank=rank,
+            world_size=spec.world_size,
+            timeout=datetime.timedelta(minutes=10),
+        )
+        server = RankServer(rank, conn, join_world(spec))
+        conn.send(
+            Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began)
+        )
+        server.serve()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stacks.close()
+    # Skip interpreter teardown: a target may have left non-daemon threads or wedged groups.
+    os._exit(code)

@@ -1,0 +1,146 @@
+"""Where every rank sits in a Megatron world, computed or read from a live ``parallel_state``.
+
+`places_for` is pure arithmetic: it reproduces the coordinates and group member lists that
+megatron-core 0.19's ``parallel_state.initialize_model_parallel`` builds with its default order
+``"tp-cp-ep-dp-pp"`` (no virtual pipeline, no hierarchical context parallelism, expert tensor
+parallel size equal to the tensor parallel size, ``gtp_remat`` sizes of 1)::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+The expert grid re-factors the ``cp * dp`` ranks of a pipeline stage as ``ep * expert_dp`` with
+expert-parallel ranks adjacent, so an ``ep`` group holds ``ep`` consecutive ``(cp, dp)`` indices.
+
+`rank_place_from_parallel_state` reads the same facts from the live ``parallel_state`` of the
+calling rank, under the same group role names.
+"""
+
+from __future__ import annotations
+
+from itertools import product
+
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.records import RankPlace, Ranks
+
+AXES: tuple[str, ...] = ("tp", "cp", "dp", "pp")
+"""The decoder grid's axes, fastest-varying first (Megatron's default order without ``ep``)."""
+
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    "world": AXES,
+    "tp": ("tp",),
+    "pp": ("pp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "dp_cp": ("cp", "dp"),
+    "tp_cp": ("tp", "cp"),
+    "tp_dp_cp": ("tp", "cp", "dp"),
+}
+"""Group roles of the decoder grid and the axes each one spans (``ep`` is handled apart)."""
+
+GROUP_ROLES: tuple[str, ...] = (*GROUP_AXES, "ep")
+"""Every role key of `RankPlace.groups`."""
+
+
+def axis_sizes(world: WorldSpec) -> dict[str, int]:
+    """Size of each decoder-grid axis of ``world``."""
+    return {"tp": world.tp, "cp": world.cp, "dp": world.dp, "pp": world.pp}
+
+
+def coordinates(world: WorldSpec, rank: int) -> dict[str, int]:
+    """Decompose a global ``rank`` into its ``tp``/``cp``/``dp``/``pp`` coordinates."""
+    if not 0 <= rank < world.world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world.world_size} ranks")
+    coords: dict[str, int] = {}
+    rest = rank
+    for axis, size in axis_sizes(world).items():
+        coords[axis] = rest % size
+        rest //= size
+    return coords
+
+
+def rank_of(world: WorldSpec, coords: dict[str, int]) -> int:
+    """Global rank of a ``tp``/``cp``/``dp``/``pp`` coordinate tuple (inverse of `coordinates`)."""
+    rank = 0
+    stride = 1
+    for axis, size in axis_sizes(world).items():
+        rank += coords[axis] * stride
+        stride *= size
+    return rank
+
+
+def group_members(world: WorldSpec, coords: dict[str, int], axes: tuple[str, ...]) -> Ranks:
+    """Ranks sharing every coordinate of ``coords`` except those along ``axes``, ascending."""
+    sizes = axis_sizes(world)
+    members = []
+    for varied in product(*(range(sizes[axis]) for axis in axes)):
+        moved = dict(coords)
+        moved.update(zip(axes, varied, strict=True))
+        members.append(rank_of(world, moved))
+    return tuple(sorted(members))
+
+
+def expert_group_members(world: WorldSpec, coords: dict[str, int]) -> Ranks:
+    """Members of the expert-model-parallel group of the rank at ``coords``.
+
+    Within a stage and a tensor rank, the ``cp * dp`` ranks are indexed ``j = cp_rank + cp *
+    dp_rank``; the expert grid splits ``j = ep_rank + ep * expert_dp_rank``.
+    """
+    j = coords["cp"] + world.cp * coords["dp"]
+    first = (j // world.ep) * world.ep
+    stage_base = coords["pp"] * world.cp * world.dp
+    return tuple(coords["tp"] + world.tp * (stage_base + k) for k in range(first, first + world.ep))
+
+
+def place_of(world: WorldSpec, rank: int) -> RankPlace:
+    """The `RankPlace` of one ``rank`` of ``world``."""
+    coords = coordinates(world, rank)
+    groups = {role: group_members(world, coords, axes) for role, axes in GROUP_AXES.items()}
+    groups["ep"] = expert_group_members(world, coords)
+    return RankPlace(
+        rank=rank,
+        tp_rank=coords["tp"],
+        pp_rank=coords["pp"],
+        cp_rank=coords["cp"],
+        dp_rank=coords["dp"],
+        groups=groups,
+    )
+
+
+def places_for(world: WorldSpec) -> dict[int, RankPlace]:
+    """Every rank's coordinates and group member lists, as ``initialize_model_parallel`` builds.
+
+    Keys of each ``RankPlace.groups``: world, tp, pp, cp, dp (without cp), dp_cp, tp_cp,
+    tp_dp_cp, ep.
+    """
+    return {rank: place_of(world, rank) for rank in range(world.world_size)}
+
+
+def rank_place_from_parallel_state() -> RankPlace:
+    """Read the calling rank's `RankPlace` from the live, initialised ``parallel_state``.
+
+    Needs an initialised default process group and ``initialize_model_parallel`` to have run.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    def ranks(group: dist.ProcessGroup) -> Ranks:
+        return tuple(dist.get_process_group_ranks(group))
+
+    groups: dict[str, Ranks] = {
+        "world": tuple(range(dist.get_world_size())),
+        "tp": ranks(ps.get_tensor_model_parallel_group()),
+        "pp": ranks(ps.get_pipeline_model_parallel_group()),
+        "cp": ranks(ps.get_context_parallel_group()),
+        "dp": ranks(ps.get_data_parallel_group(with_context_parallel=False)),
+        "dp_cp": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        "tp_cp": ranks(ps.get_tensor_and_context_parallel_group()),
+        "tp_dp_cp": ranks(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
+        "ep": ranks(ps.get_expert_model_parallel_group()),
+    }
+    return RankPlace(
+        rank=dist.get_rank(),
+        tp_rank=int(ps.get_tensor_model_parallel_rank()),
+        pp_rank=int(ps.get_pipeline_model_parallel_rank()),
+        cp_rank=int(ps.get_context_parallel_rank()),
+        dp_rank=int(ps.get_data_parallel_rank(with_context_parallel=False)),
+        groups=groups,
+    )

@@ -1,0 +1,55 @@
+"""Turning what an implementation returns into plain data, and making test tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TENSOR_KEY = "__tensor__"
+
+
+def make_tensor(shape: list[int], dtype: str, seed: int, non_contiguous: bool) -> torch.Tensor:
+    """A deterministic tensor; ``non_contiguous`` returns a transposed view of the last 2 dims."""
+    torch_dtype = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    stored = list(shape)
+    if non_contiguous:
+        stored[-1], stored[-2] = stored[-2], stored[-1]
+    if torch_dtype == torch.bool:
+        tensor = torch.randint(0, 2, stored, generator=generator).bool()
+    elif torch_dtype.is_floating_point:
+        tensor = torch.randn(stored, generator=generator).to(torch_dtype)
+    else:
+        tensor = torch.randint(-1000, 1000, stored, generator=generator).to(torch_dtype)
+    if non_contiguous:
+        tensor = tensor.transpose(-1, -2)
+    return tensor
+
+
+def describe_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    return {
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "shape": list(tensor.shape),
+        "device": tensor.device.type,
+        "values": tensor.detach().cpu().reshape(-1).tolist(),
+    }
+
+
+def encode(value: Any, *, buffer: Any = None) -> Any:
+    """Plain, picklable, JSON-able data for a returned value.
+
+    A tensor becomes ``{"__tensor__": {dtype, shape, device, values, is_buffer}}``, where
+    ``is_buffer`` says whether it is the very buffer the caller passed in.
+    """
+    if isinstance(value, torch.Tensor):
+        described = describe_tensor(value)
+        described["is_buffer"] = buffer is not None and value is buffer
+        return {TENSOR_KEY: described}
+    if isinstance(value, dict):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return {"__repr__": f"{type(value).__name__}: {value!r}"[:500]}

@@ -1,0 +1,373 @@
+"""A live simulated world: N rank processes, their controller-side event loop, and cleanup.
+
+Ranks are forked from a fork server that has already imported torch and megatron-core (see
+`pipemetrics.sim.rank`), so starting a world costs process creation plus joining gloo, not the
+imports. Each world owns one private temporary directory (FileStore rendezvous, per-rank logs and
+stack dumps): no port is ever fixed, so any number of worlds can run side by side. `close`
+(also run by a finalizer, at interpreter exit, and on every error path) kills every rank and
+removes the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
+from multiprocessing import popen_forkserver, spawn  # type: ignore[attr-defined]
+import os
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+from pydantic import Field
+
+from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.layout import Frozen, WorldSpec
+from pipemetrics.sim.protocol import Abort, Call, Done, Go, Ready, Shutdown, Task
+from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.scenario import Scenario
+
+PRELOAD = ["pipemetrics.sim.rank"]
+UNWIND_GRACE_S = 5.0
+"""How long ranks get to unwind after a verdict before the world is declared dirty and killed."""
+STACK_DUMP_WAIT_S = 0.3
+
+
+class WorldStartError(RuntimeError):
+    """A world could not be started; the message carries the failing rank's log."""
+
+
+class RankResult(Frozen):
+    """A rank's place and what it reported (None when it died before reporting)."""
+
+    place: RankPlace
+    done: Done | None = None
+    log_tail: str = ""
+
+
+class WorldRun(Frozen):
+    """The outcome of one scenario in one world."""
+
+    verdict: Verdict
+    ranks: dict[int, RankResult]
+    seconds: float
+    reusable: bool
+    """False when the world had to be killed (crash, deadline, ranks that did not unwind)."""
+    collectives_released: int = 0
+    startup_s: float = Field(default=0.0)
+
+
+def fork_context() -> Any:
+    """The fork-server context whose server preloads torch, megatron-core and the rank code."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
+
+
+class _RankPopen(popen_forkserver.Popen):
+    """Starts a rank without re-importing the caller's ``__main__`` in it.
+
+    multiprocessing normally re-runs the parent's main script in every child; a rank only needs
+    `pipemetrics.sim.rank`, and an unguarded user script would otherwise start worlds
+    recursively.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        original = spawn.get_preparation_data
+
+        def without_main(name: str) -> dict[str, Any]:
+            data: dict[str, Any] = original(name)
+            data.pop("init_main_from_path", None)
+            data.pop("init_main_from_name", None)
+            return data
+
+        spawn.get_preparation_data = without_main
+        try:
+            super()._launch(process_obj)  # type: ignore[misc]
+        finally:
+            spawn.get_preparation_data = original
+
+
+class _RankProcess(multiprocessing.context.ForkServerProcess):
+    _Popen = staticmethod(_RankPopen)  # type: ignore[assignment]
+
+
+def _kill_all(pids: list[int], directory: str) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, 0)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class World:
+    """A live world of ``spec.world_size`` rank processes. Use as a context manager."""
+
+    def __init__(self, spec: WorldSpec, *, start_timeout_s: float = 300.0) -> None:
+        if spec.backend != "gloo":
+            import torch
+
+            if torch.cuda.device_count() < spec.world_size:
+                raise WorldStartError(
+                    f"backend: nccl needs {spec.world_size} GPUs, "
+                    f"{torch.cuda.device_count()} present"
+                )
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-")
+        self.places: dict[int, RankPlace] = {}
+        self.startup_s = 0.0
+        self._procs: list[Any] = []
+        self._conns: list[Connection] = []
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> World:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and all(p.is_alive() for p in self._procs)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    def start(self) -> World:
+        from pipemetrics.sim.rank import rank_main
+
+        began = time.monotonic()
+        context = fork_context()
+        spec_json = self.spec.model_dump_json()
+        try:
+            for rank in range(self.spec.world_size):
+                ours, theirs = context.Pipe(duplex=True)
+                proc = _RankProcess(
+                    target=rank_main,
+                    args=(rank, spec_json, self.directory, theirs, os.getpid()),
+                    name=f"pipemetrics-rank{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()
+                self._procs.append(proc)
+                self._conns.append(ours)
+                self._finalizer.detach()
+                self._finalizer = weakref.finalize(self, _kill_all, self.pids, self.directory)
+            self._await_ready(began)
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - began
+        return self
+
+    def _await_ready(self, began: float) -> None:
+        waiting = dict(enumerate(self._conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self._procs)}
+        while waiting:
+            left = self.start_timeout_s - (time.monotonic() - began)
+            if left <= 0:
+                raise WorldStartError(
+                    f"ranks {sorted(waiting)} of {self.spec.key} not ready after "
+                    f"{self.start_timeout_s:g} s. {self._logs(sorted(waiting))}"
+                )
+            ready = multiprocessing.connection.wait([*waiting.values(), *sentinels], left)
+            for item in ready:
+                if isinstance(item, int):
+                    rank = sentinels[item]
+                    if rank in waiting:
+                        raise WorldStartError(
+                            f"rank {rank} of {self.spec.key} died while starting "
+                            f"(exit code {self._procs[rank].exitcode}). {self._logs([rank])}"
+                        )
+                    continue
+                rank = self._conns.index(item)  # type: ignore[arg-type]
+                message = item.recv()  # type: ignore[union-attr]
+                if isinstance(message, Ready):
+                    self.places[rank] = message.place
+                    waiting.pop(rank, None)
+
+    def close(self) -> None:
+        """Ask every rank to exit, kill what does not, and remove the world's directory."""
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(Shutdown())
+        deadline = time.monotonic() + 2.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._finalizer.detach()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def kill(self) -> None:
+        """Kill every rank at once (a suspect world is never reused)."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        self.close()
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
+        """Run ``scenario`` on every rank; ``gate=False`` is raw mode (real backend, deadline)."""
+        if self._closed:
+            raise RuntimeError("this world is closed")
+        if scenario.setup.world != self.spec:
+            raise ValueError(
+                f"scenario world {scenario.setup.world.key} does not match this world "
+                f"{self.spec.key}"
+            )
+        began = time.monotonic()
+        task = Task(scenario_json=scenario.model_dump_json(), gate=gate)
+        for conn in self._conns:
+            conn.send(task)
+        coordinator = Coordinator(list(range(self.spec.world_size)), self.places)
+        done, dirty = self._loop(coordinator, scenario.deadline_s, began)
+        if coordinator.verdict is None:
+            harness = [(r, d.harness_error) for r, d in done.items() if d.harness_error]
+            if harness:
+                rank, err = harness[0]
+                assert err is not None
+                coordinator.on_harness_error(
+                    f"pipemetrics fault in rank {rank}: {err.type}: {err.message}\n{err.traceback}"
+                )
+            else:
+                coordinator.finish_ok()
+        assert coordinator.verdict is not None
+        failed = coordinator.verdict.kind != "ok"
+        ranks = {
+            rank: RankResult(
+                place=place,
+                done=done.get(rank),
+                log_tail=self._log_tail(rank) if failed else "",
+            )
+            for rank, place in self.places.items()
+        }
+        if dirty:
+            self.kill()
+        return WorldRun(
+            verdict=coordinator.verdict,
+            ranks=ranks,
+            seconds=time.monotonic() - began,
+            reusable=not dirty,
+            collectives_released=coordinator.released,
+            startup_s=self.startup_s,
+        )
+
+    def _loop(
+        self, coordinator: Coordinator, deadline_s: float, began: float
+    ) -> tuple[dict[int, Done], bool]:
+        done: dict[int, Done] = {}
+        dirty = False
+        deadline = began + deadline_s
+        unwind_until: float | None = None
+        by_conn = {id(c): r for r, c in enumerate(self._conns)}
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while not coordinator.all_finished():
+            limit = unwind_until if unwind_until is not None else deadline
+            left = limit - time.monotonic()
+            if left <= 0:
+                if unwind_until is None:
+                    stuck = sorted(set(coordinator.running()) | set(coordinator.pending))
+                    coordinator.on_timeout(deadline_s, self._dump_stacks(stuck))
+                dirty = True
+                break
+            open_conns = [c for r, c in enumerate(self._conns) if r not in done]
+            live = [s for s, r in sentinels.items() if r not in coordinator.dead]
+            for item in multiprocessing.connection.wait([*open_conns, *live], left):
+                if isinstance(item, int):
+                    rank = sentinels[item]
+                    if rank not in done:
+                        coordinator.on_crash(rank, self._procs[rank].exitcode, time.monotonic())
+                        dirty = True
+                    continue
+                rank = by_conn[id(item)]
+                try:
+                    message = item.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    continue  # the sentinel reports the death
+                self._handle(coordinator, rank, message, done)
+            if coordinator.verdict is not None and unwind_until is None:
+                unwind_until = time.monotonic() + UNWIND_GRACE_S
+                for rank in coordinator.pending:
+                    self._send(rank, Abort(reason=coordinator.verdict.message))
+                if coordinator.dead:
+                    dirty = True
+        return done, dirty
+
+    def _handle(
+        self, coordinator: Coordinator, rank: int, message: object, done: dict[int, Done]
+    ) -> None:
+        if isinstance(message, Call):
+            if coordinator.verdict is not None:
+                self._send(rank, Abort(reason=coordinator.verdict.message))
+                return
+            for released in coordinator.on_call(message.call):
+                self._send(released, Go())
+        elif isinstance(message, Done):
+            done[rank] = message
+            for released in coordinator.on_done(rank, time.monotonic()):
+                self._send(released, Go())
+
+    def _send(self, rank: int, message: object) -> None:
+        with contextlib.suppress(OSError, ValueError, BrokenPipeError):
+            self._conns[rank].send(message)
+
+    # -- diagnostics ----------------------------------------------------------------------------
+
+    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Every listed rank's Python stack (faulthandler on SIGUSR1)."""
+        for rank in ranks:
+            pid = self._procs[rank].pid
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+        stacks = {}
+        for rank in ranks:
+            path = os.path.join(self.directory, f"rank{rank}.stacks")
+            with contextlib.suppress(OSError):
+                with open(path, encoding="utf-8", errors="replace") as handle:
+                    stacks[rank] = handle.read()[-6000:]
+        return stacks
+
+    def _log_tail(self, rank: int, limit: int = 2000) -> str:
+        path = os.path.join(self.directory, f"rank{rank}.log")
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(0, size - limit))
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def _logs(self, ranks: list[int]) -> str:
+        return " ".join(f"rank {r} log: {self._log_tail(r)!r}" for r in ranks)
