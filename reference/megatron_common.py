@@ -61,7 +61,7 @@ def _round_up_to_multiple(value: int, multiple: int) -> int:
     ``_round_up_to_multiple(0, m) == 0``. Raises ``ValueError`` when ``value < 0`` or
     ``multiple < 1``.
     """
-    if value < -1:
+    if value < 0:
         raise ValueError(f"value must be non-negative, got {value}")
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")

@@ -118,7 +118,9 @@ class Coordinator:
 
     def running(self) -> list[int]:
         return [
-            r for r in self.ranks if r not in self.pending and r not in self.finished and r not in self.dead
+            r
+            for r in self.ranks
+            if r not in self.pending and r not in self.finished and r not in self.dead
         ]
 
     def all_finished(self) -> bool:
@@ -173,8 +175,7 @@ class Coordinator:
                 self._decide(
                     "deadlock",
                     f"deadlock: {describe_pending(call, self.places.get(rank))}, but {states} "
-                    "without entering it, so it can never complete. "
-                    + self._everyone(),
+                    "without entering it, so it can never complete. " + self._everyone(),
                     event_at,
                 )
                 return
@@ -224,7 +225,5 @@ def _differing_fields(peers: list[CollectiveCall]) -> str:
     keys: set[str] = set()
     for peer in peers:
         keys |= {k for k, _ in peer.signature}
-    differing = sorted(
-        k for k in keys if len({dict(p.signature).get(k) for p in peers}) > 1
-    )
+    differing = sorted(k for k in keys if len({dict(p.signature).get(k) for p in peers}) > 1)
     return ", ".join(differing) or "arguments"

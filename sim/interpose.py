@@ -17,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -118,13 +118,13 @@ class Interposer:
 
     def _install(self) -> None:
         for name in COLLECTIVES:
-            original = getattr(c10d, name, None)
+            original: Callable[..., Any] | None = getattr(c10d, name, None)
             if original is None:
                 continue
             wrapper = self._wrap(name, original)
             for module in (dist, c10d):
-                if getattr(module, name, None) is original:
-                    self._originals[(module, name)] = original
+                if getattr(module, name, None) is wrapper.__wrapped__:  # type: ignore[attr-defined]
+                    self._originals[(module, name)] = wrapper.__wrapped__  # type: ignore[attr-defined]
                     setattr(module, name, wrapper)
 
     def _uninstall(self) -> None:
@@ -182,6 +182,7 @@ class Interposer:
             for name, value in bound.arguments.items()
             if name not in _IGNORED_ARGS and (value is not None or name in _ROOT_ARGS)
         )
+        outcome: Literal["pending", "local", "not-member"]
         if self.rank not in ranks:
             outcome = "not-member"
         elif len(ranks) == 1:
@@ -197,7 +198,7 @@ class Interposer:
             signature=described,
             call_site=call_site(),
             started_s=time.monotonic(),
-            outcome=outcome,  # type: ignore[arg-type]
+            outcome=outcome,
         )
 
 

@@ -57,9 +57,7 @@ class WorldSpec(Frozen):
     @property
     def key(self) -> str:
         """A short stable name for the shape, used to key pools of live worlds."""
-        return (
-            f"{self.backend}-tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}-ep{self.ep}"
-        )
+        return f"{self.backend}-tp{self.tp}-pp{self.pp}-cp{self.cp}-dp{self.dp}-ep{self.ep}"
 
 
 class EvenSplit(Frozen):
@@ -207,9 +205,7 @@ class Setup(Frozen):
         rest = n - (first or 0) - (last or 0)
         middle = pp - (first is not None) - (last is not None)
         if rest < 0:
-            raise ValueError(
-                f"split: first ({first}) + last ({last}) exceed num_layers ({n})"
-            )
+            raise ValueError(f"split: first ({first}) + last ({last}) exceed num_layers ({n})")
         if middle == 0:
             if rest != 0:
                 raise ValueError(

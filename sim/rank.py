@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -28,6 +28,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from pipemetrics.sim.calls import (
+    BroadcastCall,
+    CallSpec,
+    MoeCall,
+    MtpCall,
+    RoundUpCall,
+    TrackNamesCall,
+)
 from pipemetrics.sim.interpose import Interposer
 from pipemetrics.sim.layout import Setup, WorldSpec
 from pipemetrics.sim.protocol import (
@@ -42,21 +50,13 @@ from pipemetrics.sim.protocol import (
     Task,
 )
 from pipemetrics.sim.records import RankPlace
-from pipemetrics.sim.scenario import (
-    BroadcastCall,
-    CallSpec,
-    MoeCall,
-    MtpCall,
-    RoundUpCall,
-    Scenario,
-    Step,
-    TrackNamesCall,
-)
+from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.target import TargetLoadError, call_with_accepted, load_target
 from pipemetrics.sim.trackers import (
     GroupsByRole,
     apply_moe_records,
     apply_mtp_records,
+    cpu_current_device,
     reset_trackers,
     snapshot,
 )
@@ -65,7 +65,7 @@ from pipemetrics.sim.values import encode, make_tensor
 PR_SET_PDEATHSIG = 1
 
 
-class SimAbort(BaseException):  # noqa: N818  (not an error of the target: a verdict unwinding)
+class SimAbort(BaseException):
     """Raised inside a rank's blocked collective when the controller has reached a verdict.
 
     A BaseException, so an implementation's ``except Exception`` cannot swallow it.
@@ -76,7 +76,7 @@ def live_groups() -> dict[str, dist.ProcessGroup]:
     """Megatron's process groups of this rank, by role (the roles of `RankPlace.groups`)."""
     ps = parallel_state
     return {
-        "world": dist.group.WORLD,  # type: ignore[dict-item]
+        "world": dist.group.WORLD,
         "tp": ps.get_tensor_model_parallel_group(),
         "pp": ps.get_pipeline_model_parallel_group(),
         "cp": ps.get_context_parallel_group(),
@@ -98,23 +98,6 @@ def place_of(rank: int, groups: GroupsByRole) -> RankPlace:
         dp_rank=ps.get_data_parallel_rank(with_context_parallel=False),
         groups={role: tuple(dist.get_process_group_ranks(g)) for role, g in groups.items()},
     )
-
-
-@contextlib.contextmanager
-def cpu_as_current_device() -> Iterator[None]:
-    """Make ``torch.cuda.current_device()`` answer 'cpu' when no GPU is present.
-
-    Megatron's MTP tracker allocates with ``torch.cuda.current_device()``.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original
 
 
 def join_world(spec: WorldSpec) -> dict[str, dist.ProcessGroup]:
@@ -186,21 +169,22 @@ class RankServer:
         if scenario.mode == "router":
             from pipemetrics.sim.router_fill import RouterStage
 
-            with cpu_as_current_device():
+            with cpu_current_device():
                 stage = RouterStage(setup, self.place.pp_rank, scenario.seed)
 
             def fill_routers(step_index: int, step: Step) -> None:
-                with cpu_as_current_device():
+                with cpu_current_device():
                     for microbatch in range(setup.layout.microbatches):
-                        stage.forward_microbatch(microbatch)
-                        stage.record_mtp(microbatch)
+                        stage.forward_microbatch(microbatch, step_index)
+                        stage.record_mtp(microbatch, step_index)
+                    stage.finish_step()
 
             return fill_routers
 
         def fill_records(step_index: int, step: Step) -> None:
             if step.records is None:
                 return
-            with cpu_as_current_device():
+            with cpu_current_device():
                 apply_moe_records(step.records.moe.get(self.rank, []), self.groups)
                 apply_mtp_records(step.records.mtp.get(self.rank, []), self.groups)
 
@@ -232,7 +216,7 @@ class RankServer:
         begin = time.monotonic()
         value: Any = None
         error: CallError | None = None
-        with self.interposer.active() as calls, cpu_as_current_device():
+        with self.interposer.active() as calls, cpu_current_device():
             try:
                 value = self._call(function, spec, arguments)
             except SimAbort:
@@ -344,7 +328,9 @@ def _die_with(controller_pid: int) -> None:
 
 def _redirect_output(directory: str, rank: int) -> Any:
     """Send this rank's stdout/stderr to files in the world directory; stack dumps go there too."""
-    out = os.open(os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    out = os.open(
+        os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    )
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
@@ -365,7 +351,9 @@ def rank_main(
     spec = WorldSpec.model_validate_json(spec_json)
     code = 0
     try:
-        store = dist.FileStore(os.path.join(directory, "store"), spec.world_size)
+        store = dist.FileStore(  # type: ignore[attr-defined]
+            os.path.join(directory, "store"), spec.world_size
+        )
         dist.init_process_group(
             spec.backend,
             store=store,
@@ -374,9 +362,7 @@ def rank_main(
             timeout=datetime.timedelta(minutes=10),
         )
         server = RankServer(rank, conn, join_world(spec))
-        conn.send(
-            Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began)
-        )
+        conn.send(Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began))
         server.serve()
     except BaseException:
         traceback.print_exc()

@@ -34,8 +34,6 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -45,7 +43,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
+
 from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.trackers import cpu_current_device
 
 SEQ_LENGTH = 4
 """Tokens per sequence in one router forward (per context-parallel rank)."""
@@ -53,31 +53,6 @@ MICRO_BATCH_SIZE = 2
 """Sequences per microbatch in one router forward."""
 BASE_HIDDEN_SIZE = 16
 """Hidden size of the routers; raised to a multiple of the tensor-parallel size when needed."""
-
-
-@contextmanager
-def cpu_current_device() -> Iterator[None]:
-    """Make ``torch.cuda.current_device()`` answer ``"cpu"`` while CUDA is not available.
-
-    megatron-core 0.19.2 calls ``torch.cuda.current_device()`` to place tensors in the router
-    (gate weight, global-aux-loss buffers), in ``MoEMetricsTracker.ensure_initialized`` and in
-    ``MTPLossLoggingHelper.save_metrics_to_tracker``; on a CPU-only machine that call raises.
-    Where CUDA is available nothing is patched. The original function is restored on exit, also
-    when the body raises; nesting is safe.
-    """
-    if torch.cuda.is_available():
-        yield
-        return
-    original = torch.cuda.current_device
-
-    def _cpu() -> str:
-        return "cpu"
-
-    torch.cuda.current_device = _cpu  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = original
 
 
 def _device() -> torch.device:

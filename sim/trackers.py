@@ -7,7 +7,8 @@ nature stays contained: every scenario starts from `reset_trackers`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,31 @@ from pipemetrics.sim.records import (
 )
 
 GroupsByRole = Mapping[str, dist.ProcessGroup]
+
+
+@contextmanager
+def cpu_current_device() -> Iterator[None]:
+    """Make ``torch.cuda.current_device()`` answer ``"cpu"`` while CUDA is not available.
+
+    megatron-core 0.19.2 calls ``torch.cuda.current_device()`` to place tensors in the router
+    (gate weight, global-aux-loss buffers), in ``MoEMetricsTracker.ensure_initialized`` and in
+    ``MTPLossLoggingHelper.save_metrics_to_tracker``; on a CPU-only machine that call raises.
+    Where CUDA is available nothing is patched. The original function is restored on exit, also
+    when the body raises; nesting is safe.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.current_device
+
+    def _cpu() -> str:
+        return "cpu"
+
+    torch.cuda.current_device = _cpu  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
 
 
 def reset_trackers() -> None:
@@ -101,8 +127,12 @@ def snapshot() -> TrackerSnapshot:
         loss = _floats(tracker["loss_values"])
         mtp = MtpSnapshot(
             loss=loss,
-            correct=_floats(tracker["correct_values"]) if "correct_values" in tracker else [0.0] * len(loss),
-            total=_floats(tracker["total_values"]) if "total_values" in tracker else [1.0] * len(loss),
+            correct=_floats(tracker["correct_values"])
+            if "correct_values" in tracker
+            else [0.0] * len(loss),
+            total=_floats(tracker["total_values"])
+            if "total_values" in tracker
+            else [1.0] * len(loss),
             reduce_group=_ranks(tracker.get("reduce_group")),
             avg_group=_ranks(tracker.get("avg_group")),
         )

@@ -14,13 +14,13 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
-from multiprocessing import popen_forkserver, spawn  # type: ignore[attr-defined]
 import os
 import shutil
 import signal
 import tempfile
 import time
 import weakref
+from multiprocessing import popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -95,7 +95,7 @@ class _RankPopen(popen_forkserver.Popen):
 
 
 class _RankProcess(multiprocessing.context.ForkServerProcess):
-    _Popen = staticmethod(_RankPopen)  # type: ignore[assignment]
+    _Popen = staticmethod(_RankPopen)
 
 
 def _kill_all(pids: list[int], directory: str) -> None:
@@ -200,8 +200,9 @@ class World:
                             f"(exit code {self._procs[rank].exitcode}). {self._logs([rank])}"
                         )
                     continue
-                rank = self._conns.index(item)  # type: ignore[arg-type]
-                message = item.recv()  # type: ignore[union-attr]
+                assert isinstance(item, Connection)
+                rank = self._conns.index(item)
+                message = item.recv()
                 if isinstance(message, Ready):
                     self.places[rank] = message.place
                     waiting.pop(rank, None)
@@ -308,9 +309,10 @@ class World:
                         coordinator.on_crash(rank, self._procs[rank].exitcode, time.monotonic())
                         dirty = True
                     continue
+                assert isinstance(item, Connection)
                 rank = by_conn[id(item)]
                 try:
-                    message = item.recv()  # type: ignore[union-attr]
+                    message = item.recv()
                 except (EOFError, OSError):
                     continue  # the sentinel reports the death
                 self._handle(coordinator, rank, message, done)
@@ -353,9 +355,11 @@ class World:
         stacks = {}
         for rank in ranks:
             path = os.path.join(self.directory, f"rank{rank}.stacks")
-            with contextlib.suppress(OSError):
-                with open(path, encoding="utf-8", errors="replace") as handle:
-                    stacks[rank] = handle.read()[-6000:]
+            with (
+                contextlib.suppress(OSError),
+                open(path, encoding="utf-8", errors="replace") as handle,
+            ):
+                stacks[rank] = handle.read()[-6000:]
         return stacks
 
     def _log_tail(self, rank: int, limit: int = 2000) -> str:

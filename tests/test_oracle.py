@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.oracle import (

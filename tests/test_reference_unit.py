@@ -14,7 +14,6 @@ from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
-import pipemetrics.reference as ref
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +24,8 @@ from megatron.core.transformer.moe.moe_logging import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+import pipemetrics.reference as ref
 from pipemetrics.reference import (
     _AUX_LOSS_TRACK_NAMES,
     _round_up_to_multiple,

@@ -19,8 +19,10 @@ from megatron.core.transformer.moe.moe_logging import (
     get_moe_metrics_tracker,
 )
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.router_fill import RouterStage, cpu_current_device
+from pipemetrics.sim.router_fill import RouterStage
+from pipemetrics.sim.trackers import cpu_current_device
 
 
 @pytest.fixture(scope="module")

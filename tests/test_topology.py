@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.topology import GROUP_ROLES, coordinates, places_for, rank_of
 
