@@ -118,13 +118,14 @@ class Interposer:
 
     def _install(self) -> None:
         for name in COLLECTIVES:
-            original: Callable[..., Any] | None = getattr(c10d, name, None)
-            if original is None:
+            original = getattr(c10d, name, None)
+            if not callable(original):
                 continue
             wrapper = self._wrap(name, original)
             for module in (dist, c10d):
-                if getattr(module, name, None) is wrapper.__wrapped__:  # type: ignore[attr-defined]
-                    self._originals[(module, name)] = wrapper.__wrapped__  # type: ignore[attr-defined]
+                installed = getattr(module, name, None) is original
+                if installed:
+                    self._originals[(module, name)] = original
                     setattr(module, name, wrapper)
 
     def _uninstall(self) -> None:
