@@ -115,7 +115,9 @@ def join_world(spec: WorldSpec) -> dict[str, dist.ProcessGroup]:
 class RankServer:
     """Serves tasks for one rank over a connection to the controller."""
 
-    def __init__(self, rank: int, conn: Connection, groups: dict[str, dist.ProcessGroup]) -> None:
+    def __init__(
+        self, rank: int, conn: Connection | None, groups: dict[str, dist.ProcessGroup]
+    ) -> None:
         self.rank = rank
         self.conn = conn
         self.groups = groups
@@ -123,12 +125,14 @@ class RankServer:
         self.interposer = Interposer(rank, self._gate)
 
     def _gate(self, call: CollectiveCall) -> None:
+        assert self.conn is not None, "a gated task needs a controller connection"
         self.conn.send(Call(call=call))
         reply = self.conn.recv()
         if isinstance(reply, Abort):
             raise SimAbort(reply.reason)
 
     def serve(self) -> None:
+        assert self.conn is not None
         while True:
             try:
                 message = self.conn.recv()

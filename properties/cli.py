@@ -1,0 +1,67 @@
+"""The ``pipemetrics`` command: check, replay, demo.
+
+Each subcommand lives in its own module; this file only parses arguments and maps outcomes to
+exit codes (0 success, 1 a failing verdict, 2 usage or load errors). SIGTERM is turned into a
+clean shutdown so that every world the command started is ended and removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Sequence
+from types import FrameType
+
+EXIT_OK = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipemetrics",
+        description="Check Megatron pipeline-parallel metric helpers in real multi-rank worlds.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    check = sub.add_parser("check", help="run the conformance suite against an implementation")
+    from pipemetrics.properties.runner import add_check_arguments
+
+    add_check_arguments(check)
+
+    replay = sub.add_parser("replay", help="re-run a scenario file and print its verdict")
+    replay.add_argument("scenario", help="a scenario JSON file written by a failing check")
+    replay.add_argument("--impl", default=None, help="run it against this target instead")
+    replay.add_argument("--raw", action="store_true", help="real backend, no interposition")
+    replay.add_argument("--json", dest="json_out", default=None, help="write the run as JSON")
+
+    demo = sub.add_parser(
+        "demo", help="4 gloo ranks, first stage without MoE, MTP on the last stage"
+    )
+    demo.add_argument("--impl", default=None, help="implementation to demonstrate")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    args = _parser().parse_args(argv)
+    if args.command == "check":
+        from pipemetrics.properties.runner import run_check
+
+        return run_check(args)
+    if args.command == "replay":
+        from pipemetrics.sim.replay import replay_main
+
+        return replay_main(args.scenario, impl=args.impl, raw=args.raw, json_out=args.json_out)
+    from pipemetrics.sim.demo import demo_main
+
+    return demo_main(impl=args.impl)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""``pipemetrics demo``: the embedded default world, shown rank by rank.
+
+Four gloo ranks as pipeline 2 x data-parallel 2. Stage 0 holds only dense layers (no router, so
+it records nothing), stage 1 holds the MoE layers and one MTP layer. megatron-core's real
+routers fill the trackers over two microbatches, then every rank calls the implementation the
+way a trainer does after a step.
+"""
+
+from __future__ import annotations
+
+from pipemetrics.sim.calls import MoeCall, MtpCall
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.scenario import DEFAULT_TARGET, Scenario, Step
+from pipemetrics.sim.summary import run_passed, summarize
+from pipemetrics.sim.world import World
+
+
+def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
+    layout = ModelLayout(
+        num_layers=4,
+        moe_layer_freq=[0, 0, 1, 1],
+        mtp_num_layers=1,
+        routing_type="aux_loss",
+        aux_loss_coeff=0.01,
+        z_loss_coeff=0.001,
+        microbatches=2,
+    )
+    setup = Setup(world=WorldSpec(pp=2, dp=2), layout=layout)
+    loss_scale = 1.0 / layout.microbatches
+    calls = [
+        MoeCall(
+            loss_scale=loss_scale,
+            per_layer_logging=True,
+            num_layers=layout.num_layers,
+            mtp_num_layers=layout.mtp_num_layers,
+            track_names=layout.live_track_names,
+        ),
+        MtpCall(loss_scale=loss_scale),
+    ]
+    return Scenario(setup=setup, mode="router", seed=7, target=target, steps=[Step(calls=calls)])
+
+
+def demo_main(impl: str | None = None) -> int:
+    scenario = demo_scenario(impl or DEFAULT_TARGET)
+    print("pipemetrics demo: 4 gloo ranks, pp=2 x dp=2; stage 0 dense only, stage 1 MoE + MTP")
+    with World(scenario.setup.world) as world:
+        print(f"world started in {world.startup_s:.2f} s")
+        run = world.run(scenario)
+    print(summarize(scenario, run))
+    return 0 if run_passed(scenario, run) else 1

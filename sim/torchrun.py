@@ -1,0 +1,108 @@
+"""Run a scenario under torchrun (torch.distributed.elastic), e.g. on a real NCCL cluster.
+
+    torchrun --nproc-per-node 4 -m pipemetrics.sim.torchrun scenario.json [--impl TARGET]
+
+Every process is one rank and serves the scenario with the same `RankServer` as a simulated
+world, in raw mode: the real backend, no interposition, under a deadline after which each rank
+dumps its Python stack to stderr and exits 124. On success the ranks gather their reports and
+rank 0 prints the same summary as ``pipemetrics replay``. Exit codes: 0 pass, 1 fail, 2 bad
+input, 124 deadline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import sys
+import threading
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.protocol import Done, Task
+from pipemetrics.sim.rank import RankServer, join_world
+from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
+from pipemetrics.sim.summary import run_passed, summarize
+from pipemetrics.sim.world import RankResult, WorldRun
+
+DEADLINE_EXIT = 124
+
+
+def _arm_deadline(seconds: float) -> threading.Timer:
+    def expire() -> None:
+        print(f"pipemetrics: deadline of {seconds:g} s passed; stacks follow", file=sys.stderr)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(DEADLINE_EXIT)
+
+    timer = threading.Timer(seconds, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _verdict(done: list[Done]) -> Verdict:
+    faults = [d for d in done if d.harness_error is not None]
+    if faults:
+        err = faults[0].harness_error
+        assert err is not None
+        return Verdict(kind="harness_error", message=f"rank {faults[0].rank}: {err.message}")
+    return Verdict(
+        kind="ok",
+        message="every rank returned (raw mode under torchrun: collectives ran unintercepted)",
+        finished=[d.rank for d in done],
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipemetrics.sim.torchrun")
+    parser.add_argument("scenario")
+    parser.add_argument("--impl", default=None)
+    args = parser.parse_args(argv)
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioFileError as exc:
+        print(f"pipemetrics: {exc}", file=sys.stderr)
+        return 2
+    if args.impl:
+        scenario = scenario.model_copy(update={"target": args.impl})
+    spec = scenario.setup.world
+    dist.init_process_group(spec.backend)
+    if dist.get_world_size() != spec.world_size:
+        print(
+            f"pipemetrics: the scenario needs {spec.world_size} ranks, torchrun started "
+            f"{dist.get_world_size()}",
+            file=sys.stderr,
+        )
+        dist.destroy_process_group()
+        return 2
+    timer = _arm_deadline(scenario.deadline_s)
+    server = RankServer(dist.get_rank(), None, join_world(spec))
+    done = server.run(Task(scenario_json=scenario.model_dump_json(), gate=False))
+    everyone: list[Done | None] = [None] * spec.world_size
+    dist.all_gather_object(everyone, done)
+    places: list[object] = [None] * spec.world_size
+    dist.all_gather_object(places, server.place)
+    timer.cancel()
+    passed = True
+    if dist.get_rank() == 0:
+        reports = [d for d in everyone if d is not None]
+        run = WorldRun(
+            verdict=_verdict(reports),
+            ranks={
+                d.rank: RankResult(place=places[d.rank], done=d)  # type: ignore[arg-type]
+                for d in reports
+            },
+            seconds=0.0,
+            reusable=False,
+        )
+        print(summarize(scenario, run))
+        passed = run_passed(scenario, run)
+    dist.destroy_process_group()
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
