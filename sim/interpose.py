@@ -45,8 +45,22 @@ COLLECTIVES: tuple[str, ...] = (
     "scatter_object_list",
 )
 
-_PAYLOAD_ONLY = {"object_list", "obj", "object_gather_list", "scatter_object_input_list"}
-_IGNORED_ARGS = {"group", "async_op", "timeout", "weights_only", "device_ids", "wait_all_ranks"}
+_LENGTH_ONLY = {"object_list", "scatter_object_output_list"}
+"""Object lists whose contents legitimately differ per rank but whose length must agree."""
+_IGNORED_ARGS = {
+    "group",
+    "async_op",
+    "timeout",
+    "weights_only",
+    "device_ids",
+    "wait_all_ranks",
+    # Payloads that legitimately differ per rank, or exist on the root only:
+    "obj",
+    "object_gather_list",
+    "scatter_object_input_list",
+    "gather_list",
+    "scatter_list",
+}
 _ROOT_ARGS = {"src", "dst"}
 _SKIP_FRAMES = (
     os.path.dirname(os.path.abspath(__file__)).replace("\\", "/") + "/",
@@ -71,7 +85,7 @@ def describe_value(name: str, value: object) -> str:
     """The part of an argument that must agree across the group."""
     if isinstance(value, torch.Tensor):
         return f"{value.dtype}{list(value.shape)}@{value.device.type}"
-    if name in _PAYLOAD_ONLY:
+    if name in _LENGTH_ONLY:
         return f"len={len(value)}" if isinstance(value, list | tuple) else "object"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(describe_value(name, v) for v in value) + "]"

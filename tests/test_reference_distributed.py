@@ -1,0 +1,241 @@
+"""The reference in real multi-process gloo worlds, checked on every rank against numbers worked
+out by hand in each test (not by the oracle). Worlds come from the module's pool; every run is
+bounded by the scenario deadline and the pool kills what it started."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from pipemetrics.sim.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
+from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, MtpRecord, StepRecords
+from pipemetrics.sim.scenario import CallSpec, Scenario, Step
+from pipemetrics.sim.world import WorldRun
+
+from .conftest import TrackingPool
+
+DEADLINE_S = 60.0
+
+
+def moe(name: str, layer: int, value: float, num_layers: int) -> MoeRecord:
+    reduce, avg, dp_avg = ROUTER_REDUCTION[name]
+    return MoeRecord(
+        name=name,
+        layer_number=layer,
+        value=value,
+        num_layers=num_layers,
+        reduce=reduce,
+        avg=avg,
+        needs_dp_avg=dp_avg,
+    )
+
+
+def run(
+    pool: TrackingPool,
+    world: WorldSpec,
+    layout: ModelLayout,
+    steps: list[tuple[StepRecords, list[CallSpec]]],
+) -> WorldRun:
+    scenario = Scenario(
+        setup=Setup(world=world, layout=layout),
+        steps=[Step(records=records, calls=calls) for records, calls in steps],
+        deadline_s=DEADLINE_S,
+    )
+    result = pool.run(scenario)
+    assert result.verdict.kind == "ok", result.verdict.message
+    return result
+
+
+def values(result: WorldRun, call: int = 0, step: int = 0) -> dict[int, Any]:
+    out = {}
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        report = next(r for r in rank_result.done.reports if (r.step, r.call) == (step, call))
+        assert report.error is None, f"rank {rank}: {report.error}"
+        out[rank] = report.value
+    return out
+
+
+def assert_every_rank(result: WorldRun, expected: dict[str, float], call: int = 0) -> None:
+    for rank, got in values(result, call).items():
+        assert set(got) == set(expected), f"rank {rank}: keys {sorted(got)}"
+        for key, want in expected.items():
+            assert math.isclose(got[key], want, rel_tol=1e-6, abs_tol=1e-9), (rank, key, got[key])
+
+
+def test_stage_without_moe_layers(pool: TrackingPool) -> None:
+    # pp=2: stage 0 holds dense layers 1-2 and records nothing; stage 1 records layers 3 and 4.
+    layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 0, 1, 1])
+    records = StepRecords(
+        moe={
+            1: [moe("load_balancing_loss", 3, 1.0, 4), moe("load_balancing_loss", 4, 3.0, 4)],
+        }
+    )
+    call = MoeCall(
+        loss_scale=0.5,
+        per_layer_logging=True,
+        num_layers=4,
+        track_names=["load_balancing_loss"],
+    )
+    result = run(pool, WorldSpec(pp=2), layout, [(records, [call])])
+    # v = [0, 0, 1, 3] on every rank; mean over 4 entries * 0.5 = 0.5.
+    assert_every_rank(
+        result,
+        {
+            "load_balancing_loss": 0.5,
+            "moe/load_balancing_loss_layer_0": 0.0,
+            "moe/load_balancing_loss_layer_1": 0.0,
+            "moe/load_balancing_loss_layer_2": 0.5,
+            "moe/load_balancing_loss_layer_3": 1.5,
+        },
+    )
+
+
+def test_four_stages_first_empty_one_layer_each(pool: TrackingPool) -> None:
+    # num_layers == pp == 4, one layer per stage, the first dense.
+    layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
+    records = StepRecords(
+        moe={r: [moe("load_balancing_loss", r + 1, float(r), 4)] for r in (1, 2, 3)}
+    )
+    call = MoeCall(loss_scale=1.0, num_layers=4, track_names=["load_balancing_loss"])
+    result = run(pool, WorldSpec(pp=4), layout, [(records, [call])])
+    assert_every_rank(result, {"load_balancing_loss": (0 + 1 + 2 + 3) / 4})
+
+
+def test_mtp_on_the_last_stage(pool: TrackingPool) -> None:
+    # num_layers=2 + 1 MTP layer: entries of length 3; the MTP router writes slot 3.
+    layout = ModelLayout(num_layers=2, moe_layer_freq=[0, 1], mtp_num_layers=1)
+    records = StepRecords(
+        moe={1: [moe("load_balancing_loss", 2, 2.0, 3), moe("load_balancing_loss", 3, 4.0, 3)]},
+        mtp={1: [MtpRecord(layer_number=0, num_layers=1, loss=3.0, correct=3.0, total=4.0)]},
+    )
+    calls: list[CallSpec] = [
+        MoeCall(
+            loss_scale=0.5,
+            num_layers=2,
+            mtp_num_layers=1,
+            track_names=["load_balancing_loss"],
+        ),
+        MtpCall(loss_scale=0.5),
+    ]
+    result = run(pool, WorldSpec(pp=2), layout, [(records, calls)])
+    assert_every_rank(result, {"load_balancing_loss": 0.5 * (0 + 2 + 4) / 3})
+    mtp = values(result, call=1)
+    assert mtp[0] == {}
+    assert mtp[1] == {"mtp_1_loss": 1.5, "mtp_1_acceptance_rate": 75.0}
+
+
+def test_z_loss_and_aux_loss_with_dense_stage_and_data_parallel(pool: TrackingPool) -> None:
+    # pp=2 x dp=2: ranks 0,1 are stage 0 (dense), ranks 2,3 stage 1 (dp ranks 0 and 1).
+    layout = ModelLayout(num_layers=2, moe_layer_freq=[0, 1], z_loss_coeff=0.001)
+    records = StepRecords(
+        moe={
+            2: [moe("z_loss", 2, 1.0, 2), moe("load_balancing_loss", 2, 2.0, 2)],
+            3: [moe("z_loss", 2, 3.0, 2), moe("load_balancing_loss", 2, 4.0, 2)],
+        }
+    )
+    call = MoeCall(loss_scale=1.0, num_layers=2, track_names=["z_loss", "load_balancing_loss"])
+    result = run(pool, WorldSpec(pp=2, dp=2), layout, [(records, [call])])
+    # z_loss: pipeline sum -> [0,1] / [0,3], average over tp x dp x cp -> [0,2]: mean 1.0.
+    # load balancing: pipeline sum -> [0,2] / [0,4], dp average -> [0,3]: mean 1.5.
+    assert_every_rank(result, {"z_loss": 1.0, "load_balancing_loss": 1.5})
+
+
+def test_name_recorded_on_one_stage_only(pool: TrackingPool) -> None:
+    layout = ModelLayout(
+        num_layers=2,
+        routing_type=["aux_loss", "seq_aux_loss"],
+        aux_loss_coeff=[0.01, 0.01],
+    )
+    records = StepRecords(
+        moe={
+            0: [moe("seq_load_balancing_loss", 1, 2.0, 2)],
+            1: [moe("load_balancing_loss", 2, 6.0, 2)],
+        }
+    )
+    # No pre-initialisation: the reference must still reduce both names on both stages.
+    result = run(pool, WorldSpec(pp=2), layout, [(records, [MoeCall(loss_scale=1.0)])])
+    assert_every_rank(result, {"seq_load_balancing_loss": 1.0, "load_balancing_loss": 3.0})
+
+
+def test_names_recorded_in_different_orders(pool: TrackingPool) -> None:
+    layout = ModelLayout(num_layers=2, z_loss_coeff=0.001)
+    records = StepRecords(
+        moe={
+            0: [moe("z_loss", 1, 1.0, 2), moe("load_balancing_loss", 1, 2.0, 2)],
+            1: [moe("load_balancing_loss", 2, 4.0, 2), moe("z_loss", 2, 3.0, 2)],
+        }
+    )
+    result = run(pool, WorldSpec(pp=2), layout, [(records, [MoeCall(loss_scale=1.0)])])
+    assert_every_rank(result, {"z_loss": 2.0, "load_balancing_loss": 3.0})
+
+
+def test_entries_of_different_lengths(pool: TrackingPool) -> None:
+    # Stage 0 recorded with num_layers (2), stage 1 with num_layers + mtp (3).
+    layout = ModelLayout(num_layers=2, mtp_num_layers=1, split=ExplicitSplit(layers=[1, 1]))
+    records = StepRecords(
+        moe={
+            0: [moe("load_balancing_loss", 1, 3.0, 2)],
+            1: [moe("load_balancing_loss", 3, 6.0, 3)],
+        }
+    )
+    result = run(pool, WorldSpec(pp=2), layout, [(records, [MoeCall(loss_scale=1.0)])])
+    assert_every_rank(result, {"load_balancing_loss": (3.0 + 0.0 + 6.0) / 3})
+
+
+def test_total_loss_dict_accumulates_and_tracker_is_cleared(pool: TrackingPool) -> None:
+    layout = ModelLayout(num_layers=2)
+    step = [moe("load_balancing_loss", 1, 2.0, 2)]
+    call = MoeCall(loss_scale=1.0, use_total_loss_dict=True)
+    result = run(
+        pool,
+        WorldSpec(pp=2),
+        layout,
+        [(StepRecords(moe={0: step}), [call]), (StepRecords(moe={1: step}), [call])],
+    )
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        first, second = rank_result.done.reports
+        assert first.value == {"load_balancing_loss": 1.0}
+        assert second.value == {"load_balancing_loss": 1.0}, "step 1 leaked into step 2"
+        assert second.total_loss_dict == {"load_balancing_loss": 2.0}
+        # Cleared after step 1: what rank 0 holds before step 2's call is zeros only.
+        if rank == 0:
+            assert second.snapshot.moe["load_balancing_loss"].values == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_broadcast_bad_buffer_on_one_rank_raises_everywhere(pool: TrackingPool, bad: str) -> None:
+    buffer = (
+        BufferSpec(shape=[3], dtype="float32")
+        if bad == "shape"
+        else BufferSpec(shape=[2, 2], dtype="int64")
+    )
+    call = BroadcastCall(src_rank=0, shape=[2, 2], buffers={2: buffer})
+    result = run(pool, WorldSpec(pp=2, dp=2), ModelLayout(num_layers=2), [(StepRecords(), [call])])
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        (report,) = rank_result.done.reports
+        assert report.error is not None, f"rank {rank} did not raise"
+        assert report.error.type == "ValueError"
+        assert "rank 2" in report.error.message, report.error.message
+
+
+def test_broadcast_roundtrip_non_contiguous(pool: TrackingPool) -> None:
+    call = BroadcastCall(
+        src_rank=3,
+        shape=[2, 3],
+        non_contiguous=True,
+        buffers={1: BufferSpec(shape=[2, 3], dtype="float32")},
+    )
+    result = run(pool, WorldSpec(pp=2, dp=2), ModelLayout(num_layers=2), [(StepRecords(), [call])])
+    got = values(result)
+    source = got[3]["__tensor__"]["values"]
+    for rank, value in got.items():
+        tensor = value["__tensor__"]
+        assert tensor["shape"] == [2, 3] and tensor["dtype"] == "float32"
+        assert tensor["values"] == source, f"rank {rank} received other data"
+    assert got[1]["__tensor__"]["is_buffer"], "the receiver's buffer was not filled in place"
