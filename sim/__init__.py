@@ -62,6 +62,7 @@ __all__ = [
     "WorldPool",
     "WorldRun",
     "WorldSpec",
+    "WorldStartError",
     "load_scenario",
     "save_scenario",
 ]

@@ -9,11 +9,10 @@ torchrun (see `pipemetrics.sim.torchrun`).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
 import faulthandler
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -62,7 +61,7 @@ from pipemetrics.sim.trackers import (
 )
 from pipemetrics.sim.values import encode, make_tensor
 
-PR_SET_PDEATHSIG = 1
+WATCHDOG_PERIOD_S = 0.1
 
 
 class SimAbort(BaseException):
@@ -131,15 +130,16 @@ class RankServer:
         if isinstance(reply, Abort):
             raise SimAbort(reply.reason)
 
-    def serve(self) -> None:
+    def serve(self) -> bool:
+        """Serve until `Shutdown` (returns True) or until the controller vanishes (False)."""
         assert self.conn is not None
         while True:
             try:
                 message = self.conn.recv()
-            except EOFError:
-                return
+            except (EOFError, OSError):
+                return False
             if isinstance(message, Shutdown):
-                return
+                return True
             if isinstance(message, Task):
                 self.conn.send(self.run(message))
 
@@ -313,19 +313,38 @@ def _error(exc: BaseException) -> CallError:
 # -- process plumbing ----------------------------------------------------------------------------
 
 
-def _die_with(controller_pid: int) -> None:
-    """Never outlive the controller: kernel death signal plus a polling watchdog thread."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _controller_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _orphaned_exit(leftovers: list[str]) -> None:
+    for directory in leftovers:
+        shutil.rmtree(directory, ignore_errors=True)
+    os._exit(70)
+
+
+def _exit_if_orphaned(controller_pid: int, leftovers: list[str]) -> None:
+    if not _controller_alive(controller_pid):
+        _orphaned_exit(leftovers)
+
+
+def _die_with(controller_pid: int, leftovers: list[str]) -> None:
+    """Never outlive the controller: a watchdog thread polls it, and when it is gone (even
+    killed with SIGKILL) removes the directories it can no longer remove and exits."""
 
     def watch() -> None:
         while True:
-            time.sleep(0.25)
-            try:
-                os.kill(controller_pid, 0)
-            except ProcessLookupError:
-                os._exit(70)
+            time.sleep(WATCHDOG_PERIOD_S)
+            _exit_if_orphaned(controller_pid, leftovers)
 
     threading.Thread(target=watch, name="pipemetrics-watchdog", daemon=True).start()
 
@@ -344,12 +363,21 @@ def _redirect_output(directory: str, rank: int) -> Any:
 
 
 def rank_main(
-    rank: int, spec_json: str, directory: str, conn: Connection, controller_pid: int
+    rank: int,
+    spec_json: str,
+    directory: str,
+    conn: Connection,
+    controller_pid: int,
+    leftovers: list[str],
 ) -> None:
-    """Entry point of a rank process started by `pipemetrics.sim.world.World`."""
+    """Entry point of a rank process started by `pipemetrics.sim.world.World`.
+
+    ``leftovers``: directories to remove should the controller die without cleaning up (the
+    world directory and the fork server's socket directory).
+    """
     began = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(controller_pid)
+    _die_with(controller_pid, leftovers)
     stacks = _redirect_output(directory, rank)
     torch.set_num_threads(1)
     spec = WorldSpec.model_validate_json(spec_json)
@@ -367,7 +395,8 @@ def rank_main(
         )
         server = RankServer(rank, conn, join_world(spec))
         conn.send(Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began))
-        server.serve()
+        if not server.serve():
+            _orphaned_exit(leftovers)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -375,5 +404,6 @@ def rank_main(
         sys.stdout.flush()
         sys.stderr.flush()
         stacks.close()
+        _exit_if_orphaned(controller_pid, leftovers)
     # Skip interpreter teardown: a target may have left non-daemon threads or wedged groups.
     os._exit(code)

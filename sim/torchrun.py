@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = WorldRun(
             verdict=_verdict(reports),
             ranks={
-                d.rank: RankResult(place=places[d.rank], done=d)  # type: ignore[arg-type]
+                d.rank: RankResult(place=places[d.rank], done=d)
                 for d in reports
             },
             seconds=0.0,

@@ -20,7 +20,7 @@ import signal
 import tempfile
 import time
 import weakref
-from multiprocessing import popen_forkserver, spawn
+from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any
@@ -68,6 +68,14 @@ def fork_context() -> Any:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     return context
+
+
+def _forkserver_directory() -> list[str]:
+    """multiprocessing's private directory holding the fork server's socket, if any."""
+    address = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_address", None)
+    if isinstance(address, str) and os.path.basename(os.path.dirname(address)).startswith("pymp-"):
+        return [os.path.dirname(address)]
+    return []
 
 
 class _RankPopen(popen_forkserver.Popen):
@@ -157,13 +165,15 @@ class World:
 
         began = time.monotonic()
         context = fork_context()
+        forkserver.ensure_running()
+        leftovers = [self.directory, *_forkserver_directory()]
         spec_json = self.spec.model_dump_json()
         try:
             for rank in range(self.spec.world_size):
                 ours, theirs = context.Pipe(duplex=True)
                 proc = _RankProcess(
                     target=rank_main,
-                    args=(rank, spec_json, self.directory, theirs, os.getpid()),
+                    args=(rank, spec_json, self.directory, theirs, os.getpid(), leftovers),
                     name=f"pipemetrics-rank{rank}",
                     daemon=True,
                 )

@@ -1,0 +1,477 @@
+"""Judges: from a scenario and its `WorldRun` to a list of problems (empty: the property holds).
+
+Every judge first applies `standard_problems` (no hang, crash, mismatch or exception), except
+``broadcast.errors_everywhere``, where exceptions are the expected outcome. Expected values come
+from `pipemetrics.sim.oracle`, computed from the tracker snapshot each rank took just before the
+call, so a judge never trusts what the implementation did to the trackers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pipemetrics.properties.runview import (
+    CallView,
+    HarnessFault,
+    call_views,
+    short,
+    standard_problems,
+    world_problems,
+)
+from pipemetrics.sim import oracle
+from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall
+from pipemetrics.sim.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.world import WorldRun
+
+Judge = Callable[[Scenario, WorldRun], list[str]]
+Expected = dict[int, dict[str, float]]
+
+
+def checked(judge: Judge) -> Judge:
+    """``judge`` after the standard checks (only run when those pass)."""
+
+    def run(scenario: Scenario, world_run: WorldRun) -> list[str]:
+        return standard_problems(world_run) or judge(scenario, world_run)
+
+    run.__name__ = judge.__name__
+    run.__doc__ = judge.__doc__
+    return run
+
+
+def no_problems(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Only the standard checks."""
+    return []
+
+
+# -- expectations ------------------------------------------------------------------------------
+
+
+def _expect(scenario: Scenario, view: CallView) -> Expected:
+    places = places_for(scenario.setup.world)
+    snapshots = {rank: report.snapshot for rank, report in view.reports.items()}
+    try:
+        if isinstance(view.spec, MoeCall):
+            return expected_moe_metrics(snapshots, places, view.spec)
+        assert isinstance(view.spec, MtpCall)
+        return oracle.expected_mtp_metrics(snapshots, places, view.spec)
+    except ValueError as exc:
+        if view.step == 0:
+            raise HarnessFault(f"the oracle rejects the recorded trackers: {exc}") from exc
+        return_msg = f"after the previous call the trackers are inconsistent: {exc}"
+        raise _Inconsistent(return_msg) from exc
+
+
+class _Inconsistent(Exception):
+    pass
+
+
+def _views(scenario: Scenario, run: WorldRun, kind: type) -> Iterator[tuple[CallView, Expected]]:
+    for view in call_views(scenario, run):
+        if isinstance(view.spec, kind):
+            yield view, _expect(scenario, view)
+
+
+def _guarded(judge: Judge) -> Judge:
+    def run(scenario: Scenario, world_run: WorldRun) -> list[str]:
+        try:
+            return judge(scenario, world_run)
+        except _Inconsistent as exc:
+            return [str(exc)]
+
+    run.__name__ = judge.__name__
+    run.__doc__ = judge.__doc__
+    return run
+
+
+def _where(view: CallView, rank: int) -> str:
+    return f"step {view.step} rank {rank}"
+
+
+def _keyed(
+    expected: dict[str, float], actual: Any, keep: Callable[[str], bool], what: str
+) -> list[str]:
+    """Missing/extra/wrong values among the keys selected by ``keep``."""
+    if not isinstance(actual, dict):
+        return [f"returned {short(actual)} (a {type(actual).__name__}), not a dict"]
+    exp = {k: v for k, v in expected.items() if keep(k)}
+    act = {k: v for k, v in actual.items() if isinstance(k, str) and keep(k)}
+    problems = [f"missing {what} key {k!r} (expected {v!r})" for k, v in exp.items() if k not in act]
+    problems += [f"unexpected {what} key {k!r} = {short(v)}" for k, v in act.items() if k not in exp]
+    for key, value in exp.items():
+        if key in act:
+            diff = oracle.value_difference(key, value, act[key])
+            if diff is not None:
+                problems.append(diff)
+    return problems
+
+
+def _is_mean(key: str) -> bool:
+    return not key.startswith(PER_LAYER_PREFIX)
+
+
+def _is_per_layer(key: str) -> bool:
+    return key.startswith(PER_LAYER_PREFIX)
+
+
+def _per_rank(
+    scenario: Scenario, run: WorldRun, kind: type, check: Callable[[CallView, dict[str, float], Any], list[str]]
+) -> list[str]:
+    problems = []
+    for view, expected in _views(scenario, run, kind):
+        for rank, report in sorted(view.reports.items()):
+            for line in check(view, expected.get(rank, {}), report.value):
+                problems.append(f"{_where(view, rank)}: {line}")
+    return problems
+
+
+# -- MoE ---------------------------------------------------------------------------------------
+
+
+@_guarded
+def moe_values(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Every per-name mean equals the oracle's (loss_scale * sum / D)."""
+
+    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+        if not isinstance(act, dict):
+            return [f"returned {short(act)}, not a dict"]
+        return _keyed(exp, {k: v for k, v in act.items() if k in exp}, _is_mean, "mean")
+
+    return _per_rank(scenario, run, MoeCall, check)
+
+
+@_guarded
+def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
+    """The per-name keys are exactly the live names (the names the router records)."""
+    live = set(scenario.setup.layout.live_track_names)
+
+    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+        expected = {k for k in exp if _is_mean(k)}
+        if scenario.mode == "synthetic" and expected != live:
+            raise HarnessFault(f"oracle names {sorted(expected)} differ from live names {sorted(live)}")
+        if not isinstance(act, dict):
+            return [f"returned {short(act)}, not a dict"]
+        got = {k for k in act if _is_mean(str(k))}
+        if got == expected:
+            return []
+        return [
+            f"names {sorted(map(str, got))}, expected exactly {sorted(expected)}"
+            f" (missing {sorted(expected - got)}, extra {sorted(map(str, got - expected))})"
+        ]
+
+    return _per_rank(scenario, run, MoeCall, check)
+
+
+@_guarded
+def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
+    """With per_layer_logging, ``moe/{name}_layer_{i}`` = loss_scale * v[i], nothing else."""
+    return _per_rank(
+        scenario, run, MoeCall, lambda view, exp, act: _keyed(exp, act, _is_per_layer, "per-layer")
+    )
+
+
+@_guarded
+def moe_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Means and per-layer values equal the oracle's (router mode: megatron's own records)."""
+    return _per_rank(scenario, run, MoeCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, ""))
+
+
+def _scale_hint(spec: MoeCall | MtpCall, exp: float, act: Any) -> str:
+    scale = spec.loss_scale
+    if not isinstance(act, float) or scale in (0.0, 1.0) or exp == 0.0:
+        return ""
+    if close(act, exp / scale):
+        return " (loss_scale not applied)"
+    if close(act, exp * scale):
+        return " (loss_scale applied twice)"
+    return ""
+
+
+def _scaled_check(keep: Callable[[str], bool]) -> Callable[[CallView, dict[str, float], Any], list[str]]:
+    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+        if not isinstance(act, dict):
+            return [f"returned {short(act)}, not a dict"]
+        problems = []
+        for key, value in exp.items():
+            if not keep(key) or key not in act:
+                continue
+            diff = oracle.value_difference(key, value, act[key])
+            if diff is not None:
+                assert isinstance(view.spec, MoeCall | MtpCall)
+                problems.append(
+                    f"{diff} with loss_scale={view.spec.loss_scale!r}"
+                    + _scale_hint(view.spec, value, act[key])
+                )
+        return problems
+
+    return check
+
+
+@_guarded
+def moe_loss_scale(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Means and per-layer values are scaled by loss_scale exactly once."""
+    return _per_rank(scenario, run, MoeCall, _scaled_check(lambda k: True))
+
+
+@_guarded
+def moe_rank_agreement(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Every rank returns the same dict (same keys, equal values)."""
+    problems = []
+    for view in call_views(scenario, run):
+        values = {r: rep.value for r, rep in sorted(view.reports.items())}
+        if not values:
+            continue
+        first_rank, first = next(iter(values.items()))
+        for rank, value in values.items():
+            if not isinstance(value, dict) or not isinstance(first, dict):
+                if value != first:
+                    problems.append(f"step {view.step}: rank {rank} returned {short(value)}")
+                continue
+            if set(value) != set(first):
+                problems.append(
+                    f"step {view.step}: rank {rank} keys {sorted(value)} differ from rank "
+                    f"{first_rank} keys {sorted(first)}"
+                )
+                continue
+            for key in first:
+                a, b = first[key], value[key]
+                same = a == b or (isinstance(a, float) and isinstance(b, float) and close(a, b))
+                if not same:
+                    problems.append(
+                        f"step {view.step}: {key!r} is {b!r} on rank {rank} but {a!r} on rank "
+                        f"{first_rank}"
+                    )
+    return problems
+
+
+@_guarded
+def moe_total_loss_dict(scenario: Scenario, run: WorldRun) -> list[str]:
+    """total_loss_dict accumulates the per-name means of every step, on every rank."""
+    problems: list[str] = []
+    history: list[Expected] = []
+    for view, expected in _views(scenario, run, MoeCall):
+        history.append(expected)
+        totals = oracle.expected_total_loss_dict(history)
+        for rank, report in sorted(view.reports.items()):
+            want = totals.get(rank, {})
+            got = report.total_loss_dict
+            if got is None:
+                problems.append(f"{_where(view, rank)}: no total_loss_dict was reported")
+                continue
+            for line in _keyed(want, got, lambda k: True, "total_loss_dict"):
+                problems.append(f"{_where(view, rank)}: total_loss_dict {line}")
+    return problems
+
+
+def _recorded_moe(scenario: Scenario, step: int, rank: int) -> dict[str, list[float]]:
+    """Tracker contents of ``rank`` that step ``step``'s records alone produce."""
+    records = scenario.steps[step].records
+    slots: dict[str, list[float]] = {}
+    if records is None:
+        return slots
+    for rec in records.moe.get(rank, []):
+        vector = slots.setdefault(rec.name, [0.0] * rec.num_layers)
+        vector[rec.layer_number - 1] += rec.value
+    return slots
+
+
+def _vector_problems(what: str, held: list[float], want: list[float]) -> list[str]:
+    length = max(len(held), len(want))
+    held = held + [0.0] * (length - len(held))
+    want = want + [0.0] * (length - len(want))
+    bad = [i for i in range(length) if not close(held[i], want[i])]
+    if not bad:
+        return []
+    i = bad[0]
+    return [
+        f"{what}[{i}] holds {held[i]!r} but this step recorded {want[i]!r} there "
+        f"({len(bad)} slot(s) differ): the tracker was not cleared after the previous call"
+    ]
+
+
+@_guarded
+def moe_reset(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Before each later call the tracker holds only that step's records; values match."""
+    problems = []
+    for view in call_views(scenario, run):
+        if view.step == 0 or not isinstance(view.spec, MoeCall):
+            continue
+        for rank, report in sorted(view.reports.items()):
+            recorded = _recorded_moe(scenario, view.step, rank)
+            for name, entry in report.snapshot.moe.items():
+                for line in _vector_problems(name, entry.values, recorded.get(name, [])):
+                    problems.append(f"{_where(view, rank)}: {line}")
+    return problems or moe_all_values(scenario, run)
+
+
+# -- MTP ---------------------------------------------------------------------------------------
+
+
+@_guarded
+def mtp_keys(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Keys are ``mtp_{i}_loss`` / ``mtp_{i}_acceptance_rate`` with i from 1, on MTP holders."""
+
+    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+        if not isinstance(act, dict):
+            return [f"returned {short(act)}, not a dict"]
+        if set(map(str, act)) == set(exp):
+            return []
+        return [f"keys {sorted(map(str, act))}, expected {sorted(exp)}"]
+
+    return _per_rank(scenario, run, MtpCall, check)
+
+
+@_guarded
+def mtp_loss_scale(scenario: Scenario, run: WorldRun) -> list[str]:
+    """``mtp_{i}_loss`` is the reduced loss scaled by loss_scale exactly once."""
+    return _per_rank(scenario, run, MtpCall, _scaled_check(lambda k: k.endswith("_loss")))
+
+
+@_guarded
+def mtp_acceptance_rate(scenario: Scenario, run: WorldRun) -> list[str]:
+    """``100 * correct / max(total, 1)`` clamped to [0, 100], never scaled."""
+    return _per_rank(
+        scenario, run, MtpCall, _scaled_check(lambda k: k.endswith("_acceptance_rate"))
+    )
+
+
+def _recorded_mtp(scenario: Scenario, step: int, rank: int) -> dict[str, list[float]]:
+    records = scenario.steps[step].records
+    if records is None or rank not in records.mtp:
+        return {}
+    length = scenario.setup.layout.mtp_num_layers
+    out = {"loss": [0.0] * length, "correct": [0.0] * length, "total": [0.0] * length}
+    for rec in records.mtp[rank]:
+        out["loss"][rec.layer_number] += rec.loss
+        out["correct"][rec.layer_number] += rec.correct
+        out["total"][rec.layer_number] += rec.total
+    return out
+
+
+@_guarded
+def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Before each later call the MTP tracker holds only that step's records; values match."""
+    problems = []
+    for view in call_views(scenario, run):
+        if view.step == 0 or not isinstance(view.spec, MtpCall):
+            continue
+        for rank, report in sorted(view.reports.items()):
+            snap = report.snapshot.mtp
+            if snap is None:
+                continue
+            recorded = _recorded_mtp(scenario, view.step, rank)
+            for field in ("loss", "correct", "total"):
+                held = list(getattr(snap, field))
+                for line in _vector_problems(f"MTP {field}", held, recorded.get(field, [])):
+                    problems.append(f"{_where(view, rank)}: {line}")
+    if problems:
+        return problems
+    return _per_rank(scenario, run, MtpCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, ""))
+
+
+# -- broadcast ---------------------------------------------------------------------------------
+
+
+def _expected_tensor(spec: BroadcastCall) -> dict[str, Any]:
+    from pipemetrics.sim.values import describe_tensor, make_tensor
+
+    tensor = make_tensor(spec.shape, spec.dtype, spec.fill_seed, spec.non_contiguous)
+    return describe_tensor(tensor)
+
+
+def _tensor_problems(spec: BroadcastCall, value: Any, want: dict[str, Any]) -> list[str]:
+    if not isinstance(value, dict) or "__tensor__" not in value:
+        return [f"returned {short(value)}, not a tensor"]
+    got = value["__tensor__"]
+    problems = []
+    if got["dtype"] != spec.dtype:
+        problems.append(f"dtype {got['dtype']}, expected {spec.dtype}")
+    if list(got["shape"]) != list(spec.shape):
+        problems.append(f"shape {got['shape']}, expected {spec.shape}")
+    if not problems and got["values"] != want["values"]:
+        problems.append(f"values {short(got['values'], 200)}, expected {short(want['values'], 200)}")
+    return problems
+
+
+def broadcast_roundtrip(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Every rank ends up with the source tensor: same dtype, shape and values."""
+    problems = []
+    for view in call_views(scenario, run):
+        assert isinstance(view.spec, BroadcastCall)
+        want = _expected_tensor(view.spec)
+        for rank, report in sorted(view.reports.items()):
+            for line in _tensor_problems(view.spec, report.value, want):
+                problems.append(f"call {view.index} rank {rank}: {line}")
+    return problems
+
+
+def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
+    """A receiver that passes a valid buffer gets that very buffer back, filled."""
+    problems = broadcast_roundtrip(scenario, run)
+    for view in call_views(scenario, run):
+        assert isinstance(view.spec, BroadcastCall)
+        for rank, report in sorted(view.reports.items()):
+            value = report.value
+            if rank in view.spec.buffers and isinstance(value, dict) and "__tensor__" in value:
+                if not value["__tensor__"].get("is_buffer"):
+                    problems.append(
+                        f"call {view.index} rank {rank}: returned a new tensor instead of the "
+                        "buffer it passed (the buffer is not used for the broadcast)"
+                    )
+    return problems
+
+
+def broadcast_errors_everywhere(scenario: Scenario, run: WorldRun) -> list[str]:
+    """An invalid input on any rank makes every rank raise ValueError; no rank hangs."""
+    problems = world_problems(run)
+    if problems:
+        return problems
+    for view in call_views(scenario, run):
+        missing = sorted(set(run.ranks) - set(view.reports))
+        if missing:
+            problems.append(f"call {view.index}: ranks {missing} never made the call")
+        for rank, report in sorted(view.reports.items()):
+            if report.error is None:
+                problems.append(
+                    f"call {view.index} rank {rank}: returned {short(report.value, 120)} "
+                    "instead of raising (another rank has an invalid input)"
+                )
+            elif report.error.type != "ValueError":
+                problems.append(
+                    f"call {view.index} rank {rank}: raised {report.error.type}: "
+                    f"{report.error.message[:200]} (the documented error is ValueError)"
+                )
+    return problems
+
+
+# -- single-rank functions ---------------------------------------------------------------------
+
+
+def track_names_parity(scenario: Scenario, run: WorldRun) -> list[str]:
+    """The names equal those megatron-core's TopKRouter records for the config, in order."""
+    want = list(scenario.setup.layout.live_track_names)
+    problems = []
+    for view in call_views(scenario, run):
+        for rank, report in view.reports.items():
+            if report.value != want:
+                problems.append(f"rank {rank}: returned {short(report.value)}, expected {want}")
+    return problems
+
+
+def round_up_least_multiple(scenario: Scenario, run: WorldRun) -> list[str]:
+    """The result is an int, a multiple of ``multiple``, >= value, and the least such."""
+    problems = []
+    for view in call_views(scenario, run):
+        spec = view.spec
+        assert isinstance(spec, RoundUpCall)
+        want = -(-spec.value // spec.multiple) * spec.multiple
+        for report in view.reports.values():
+            got = report.value
+            if type(got) is not int or got != want:
+                problems.append(
+                    f"_round_up_to_multiple({spec.value}, {spec.multiple}) returned {short(got)} "
+                    f"({type(got).__name__}), expected {want}"
+                )
+    return problems

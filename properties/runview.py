@@ -1,0 +1,115 @@
+"""Reading a `WorldRun`: per-call reports of every rank, world-level problems, and a summary.
+
+A judge sees the run through these helpers. `world_problems` turns a verdict other than ``ok``
+into the property's failure message (the verdict message is already a precise diagnosis) and a
+``harness_error`` into `HarnessFault` (a fault of pipemetrics, reported as ``error``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pipemetrics.sim.calls import CallSpec
+from pipemetrics.sim.protocol import CallReport
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.world import WorldRun
+
+
+class HarnessFault(Exception):
+    """pipemetrics itself went wrong (not the implementation under test)."""
+
+
+@dataclass(frozen=True)
+class CallView:
+    """One call of one step, as every rank saw it (a rank that never got there is absent)."""
+
+    step: int
+    index: int
+    spec: CallSpec
+    reports: dict[int, CallReport]
+
+
+def call_views(scenario: Scenario, run: WorldRun) -> list[CallView]:
+    """Every call of the scenario in order, with the reports of the ranks that made it."""
+    by_key: dict[tuple[int, int], dict[int, CallReport]] = {}
+    for rank, result in run.ranks.items():
+        if result.done is None:
+            continue
+        for report in result.done.reports:
+            by_key.setdefault((report.step, report.call), {})[rank] = report
+    views = []
+    for step_index, step in enumerate(scenario.steps):
+        for call_index, spec in enumerate(step.calls):
+            reports = by_key.get((step_index, call_index), {})
+            views.append(CallView(step_index, call_index, spec, reports))
+    return views
+
+
+def world_problems(run: WorldRun) -> list[str]:
+    """The verdict as a failure (anything but ``ok``); `HarnessFault` for ``harness_error``."""
+    verdict = run.verdict
+    if verdict.kind == "harness_error":
+        raise HarnessFault(verdict.message)
+    for rank, result in sorted(run.ranks.items()):
+        if result.done is not None and result.done.load_error is not None:
+            err = result.done.load_error
+            return [f"rank {rank} could not load the target: {err.type}: {err.message}"]
+    if verdict.kind != "ok":
+        return [f"{verdict.kind}: {verdict.message}"]
+    return []
+
+
+def raised(run: WorldRun) -> list[str]:
+    """One line per exception the target raised on any rank."""
+    lines = []
+    for rank, result in sorted(run.ranks.items()):
+        if result.done is None:
+            continue
+        for report in result.done.reports:
+            if report.error is not None:
+                lines.append(
+                    f"rank {rank} step {report.step}: {report.function} raised "
+                    f"{report.error.type}: {report.error.message}"
+                )
+    return lines
+
+
+def standard_problems(run: WorldRun) -> list[str]:
+    """No hang, no crash, no mismatched collective, no exception from the target."""
+    return world_problems(run) + raised(run)
+
+
+def short(value: Any, limit: int = 300) -> str:
+    try:
+        text = json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def describe_ranks(run: WorldRun) -> str:
+    """What each rank did: its place, then per call its value or its exception."""
+    lines = [f"verdict: {run.verdict.kind}: {run.verdict.message}"]
+    for rank, result in sorted(run.ranks.items()):
+        place = result.place
+        head = (
+            f"rank {rank} (pp {place.pp_rank}, tp {place.tp_rank}, cp {place.cp_rank}, "
+            f"dp {place.dp_rank})"
+        )
+        if result.done is None:
+            lines.append(f"{head}: no report (died or never finished)")
+            continue
+        if result.done.load_error is not None:
+            lines.append(f"{head}: could not load the target: {result.done.load_error.message}")
+        if result.done.aborted:
+            lines.append(f"{head}: aborted by the simulator after the verdict")
+        for report in result.done.reports:
+            what = (
+                f"raised {report.error.type}: {report.error.message[:300]}"
+                if report.error is not None
+                else f"returned {short(report.value)}"
+            )
+            lines.append(f"{head} step {report.step} {report.function}: {what}")
+    return "\n".join(lines)

@@ -1,0 +1,418 @@
+"""Deliberately broken copies of the reference implementation, generated on demand.
+
+Each `Mutant` is the reference (``reference/megatron_common.py``) with exactly one bug, written
+as a few exact text edits. The simulator's and the conformance suite's tests load a mutant as a
+path target (``write_mutant(name, tmp_path)``) and check that the bug is caught with the right
+diagnosis: the conformance property IDs in ``fails`` must fail, and in a suitable scenario the
+simulator must end with ``sim_verdict`` (``None``: the world stays healthy, only values are
+wrong).
+
+The edits are applied to the reference text as it is now. A snippet that is not found exactly
+once raises `MutantApplyError`, so a change to the reference breaks these fixtures loudly
+instead of silently producing a copy without the bug.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "reference" / "megatron_common.py"
+
+SEED_FUNCTIONS: frozenset[str] = frozenset(
+    {
+        "_round_up_to_multiple",
+        "broadcast_tensor",
+        "get_aux_loss_track_names",
+        "get_moe_metrics",
+        "get_mtp_metrics",
+    }
+)
+
+#: Conformance property IDs the mutants refer to (a public contract of the conformance suite).
+PROPERTY_IDS: frozenset[str] = frozenset(
+    {
+        "broadcast.errors_everywhere",
+        "moe.loss_scale",
+        "moe.names",
+        "moe.no_hang",
+        "moe.per_layer",
+        "moe.reset",
+        "moe.total_loss_dict",
+        "moe.values",
+        "mtp.acceptance_rate",
+        "mtp.keys",
+        "mtp.loss_scale",
+        "track_names.router_parity",
+    }
+)
+
+SimVerdict = Literal["deadlock", "mismatch", "crash"]
+
+
+class MutantApplyError(ValueError):
+    """A mutant's edit does not apply to the current reference."""
+
+
+class Mutant(BaseModel):
+    """One bug, as exact ``(snippet, replacement)`` edits of the reference source."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """Identifier; also the file stem `write_mutant` uses."""
+    description: str
+    """The bug, and the scenario that exposes it."""
+    edits: tuple[tuple[str, str], ...]
+    """Applied in order; each snippet must occur exactly once in the text at that point."""
+    fails: tuple[str, ...]
+    """Conformance property IDs that must fail for this mutant."""
+    functions: tuple[str, ...]
+    """Seed functions whose code the edits change."""
+    sim_verdict: SimVerdict | None
+    """Simulator verdict kind in a suitable scenario; None: the world stays healthy."""
+
+    @field_validator("name")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not value.isidentifier():
+            raise ValueError(f"mutant name must be an identifier, got {value!r}")
+        return value
+
+    @field_validator("edits")
+    @classmethod
+    def _non_trivial(cls, value: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+        if not value:
+            raise ValueError("a mutant needs at least one edit")
+        for snippet, replacement in value:
+            if not snippet or snippet == replacement:
+                raise ValueError(f"edit of {snippet!r} changes nothing")
+        return value
+
+    @field_validator("fails")
+    @classmethod
+    def _known_properties(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(value) - PROPERTY_IDS)
+        if unknown:
+            raise ValueError(f"unknown conformance property IDs {unknown}")
+        return value
+
+    @field_validator("functions")
+    @classmethod
+    def _seed_functions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(value) - SEED_FUNCTIONS)
+        if not value or unknown:
+            raise ValueError(f"functions must be non-empty seed functions, got {list(value)}")
+        return value
+
+
+_MUTANTS: list[Mutant] = [
+    Mutant(
+        name="moe_empty_stage_returns_early",
+        description=(
+            "get_moe_metrics returns {} right after the metadata round on a rank that recorded "
+            "nothing (the classic 'stage without MoE skips the collectives'), so the stages that "
+            "did record block in the pipeline all_reduce of _sync_metrics. Scenario: pp=2, "
+            "stage 0 dense, stage 1 records load_balancing_loss."
+        ),
+        edits=(
+            (
+                '    _raise_if_any(errors, "get_moe_metrics")\n',
+                '    _raise_if_any(errors, "get_moe_metrics")\n'
+                "    if not local:  # this stage recorded nothing: nothing to report\n"
+                "        return {}\n",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict="deadlock",
+    ),
+    Mutant(
+        name="moe_preinit_without_mtp",
+        description=(
+            "Pre-initialises missing entries with num_layers instead of num_layers + "
+            "mtp_num_layers and does not pad entries to the agreed length: a stage that "
+            "recorded nothing all_reduces float32[num_layers] over the pipeline group while the "
+            "recording stage (router length num_layers + mtp) sends float32[num_layers + mtp]. "
+            "Scenario: pp=2, mtp_num_layers=1, stage 0 dense, stage 1 MoE, track_names given."
+        ),
+        edits=(
+            (
+                "num_layers + (mtp_num_layers or 0) if num_layers is not None and names else 0",
+                "num_layers if num_layers is not None and names else 0",
+            ),
+            (
+                "tracker.ensure_initialized(name, lengths[name], device=device)",
+                "tracker.ensure_initialized(name, num_layers or lengths[name], device=device)",
+            ),
+            (
+                "        entry = tracker.metrics[name]\n"
+                "        short = lengths[name] - entry.values.numel()\n"
+                "        if short > 0:\n"
+                "            entry.values = torch.cat([entry.values, entry.values.new_zeros(short)])\n",
+                "",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict="mismatch",
+    ),
+    Mutant(
+        name="moe_local_insertion_order",
+        description=(
+            "Reduces the names in the tracker's local insertion order instead of the agreed "
+            "sorted order. A recording stage holds the router's order (z_loss before "
+            "load_balancing_loss; load_balancing before global_load_balancing) while a stage "
+            "that pre-initialised holds sorted order, so the i-th pipeline all_reduce pairs "
+            "different names. Every pipeline collective is a SUM of float32[agreed length], and "
+            "the other groups lie within a stage, so nothing hangs or mismatches: the stages "
+            "silently swap values (a stage reports z_loss as load_balancing_loss and vice "
+            "versa). Scenario: pp=2, stage 0 dense, stage 1 records z_loss and "
+            "load_balancing_loss, track_names from the config. (Only when ranks of one stage "
+            "disagree on the order do they block on different groups: a deadlock.)"
+        ),
+        edits=(
+            (
+                "        tracker._sync_metrics(sorted(lengths))\n",
+                "        tracker._sync_metrics([name for name in tracker.metrics if name in lengths])\n",
+            ),
+        ),
+        fails=("moe.values",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_raises_on_rank0",
+        description=(
+            "get_moe_metrics raises RuntimeError on global rank 0 only, before the metadata "
+            "round; every other rank blocks in all_gather_object. Scenario: any distributed "
+            "get_moe_metrics call with at least 2 ranks."
+        ),
+        edits=(
+            (
+                "    distributed = dist.is_available() and dist.is_initialized()\n"
+                "    if distributed and error is None",
+                "    distributed = dist.is_available() and dist.is_initialized()\n"
+                "    if distributed and dist.get_rank() == 0:\n"
+                '        raise RuntimeError("get_moe_metrics: logging rank 0 failed")\n'
+                "    if distributed and error is None",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict="deadlock",
+    ),
+    Mutant(
+        name="moe_mean_over_num_layers",
+        description=(
+            "The mean divides by num_layers (the MTP slot forgotten) instead of len(v) = "
+            "num_layers + mtp_num_layers, when num_moe_layers is not given. Identical on every "
+            "rank, so nothing hangs. Scenario: num_layers given and mtp_num_layers >= 1."
+        ),
+        edits=(
+            (
+                "mean = scaled.sum() / (num_moe_layers or scaled.numel())",
+                "mean = scaled.sum() / (num_moe_layers or num_layers or scaled.numel())",
+            ),
+        ),
+        fails=("moe.values",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="mtp_zero_based_keys",
+        description="MTP keys are 0-based (mtp_0_loss, mtp_0_acceptance_rate, ...).",
+        edits=(
+            ('result[f"mtp_{i + 1}_loss"]', 'result[f"mtp_{i}_loss"]'),
+            ('result[f"mtp_{i + 1}_acceptance_rate"]', 'result[f"mtp_{i}_acceptance_rate"]'),
+        ),
+        fails=("mtp.keys",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="mtp_acceptance_scaled",
+        description=(
+            "The acceptance rate is multiplied by loss_scale (it is a ratio of counts and must "
+            "never be scaled). Scenario: loss_scale != 1 (e.g. 1/num_microbatches) and some "
+            "correct > 0. May also fail mtp.loss_scale if that property checks the rate."
+        ),
+        edits=(
+            (
+                "rate = 100.0 * float(corrects[i])",
+                "rate = 100.0 * loss_scale * float(corrects[i])",
+            ),
+        ),
+        fails=("mtp.acceptance_rate",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="mtp_acceptance_unclamped_total",
+        description=(
+            "The acceptance rate divides by total without the max(total, 1) clamp (tensor "
+            "division): total 0 gives nan (0/0, not removed by the [0, 100] clamp) or inf "
+            "(clamped to 100). Scenario: an MTP layer with total 0, e.g. a step in which "
+            "nothing was counted or the tracker after a clean."
+        ),
+        edits=(
+            (
+                "rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)",
+                "rate = 100.0 * float(corrects[i] / totals[i])",
+            ),
+        ),
+        fails=("mtp.acceptance_rate",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_tracker_not_cleared",
+        description=(
+            "get_moe_metrics does not clear the tracker afterwards, so the next step reports "
+            "the sum of both steps (and a total_loss_dict accumulates stale values: likely "
+            "moe.total_loss_dict too). Scenario: two steps."
+        ),
+        edits=(("    tracker.clear()\n    return result\n", "    return result\n"),),
+        fails=("moe.reset",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="track_names_always_z_loss",
+        description=(
+            "get_aux_loss_track_names always lists z_loss, also when moe_z_loss_coeff is None "
+            "(the router then never records it), so a caller pre-initialises and reports a "
+            "permanently-zero z_loss. Scenario: a config without z-loss."
+        ),
+        edits=(
+            (
+                "    names: list[str] = []\n"
+                '    if _is_number(_attr(model_config, "moe_z_loss_coeff")):\n'
+                "        names.append(_Z_LOSS_NAME)\n",
+                "    names: list[str] = [_Z_LOSS_NAME]  # the router always computes it\n",
+            ),
+        ),
+        fails=("track_names.router_parity",),
+        functions=("get_aux_loss_track_names",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_always_reports_z_loss",
+        description=(
+            "get_moe_metrics always returns a z_loss key (0.0 when nobody recorded or "
+            "requested it). Scenario: z-loss disabled."
+        ),
+        edits=(
+            (
+                "    result.update(per_layer)\n",
+                "    result.setdefault(_Z_LOSS_NAME, 0.0)\n    result.update(per_layer)\n",
+            ),
+        ),
+        fails=("moe.names",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="broadcast_local_buffer_check",
+        description=(
+            "broadcast_tensor validates only the calling rank's own buffer after the metadata "
+            "round: a receiver with a bad buffer (wrong shape/dtype/device, or not a Tensor) "
+            "raises ValueError alone while the source and the other receivers enter the data "
+            "broadcast and block. Scenario: 3 ranks, one receiver passes a wrong-shaped buffer."
+        ),
+        edits=(
+            (
+                "    for rank, d in zip(ranks, gathered, strict=True):\n",
+                "    for rank, d in ((me, desc),):  # each rank checks its own buffer\n",
+            ),
+        ),
+        fails=("broadcast.errors_everywhere",),
+        functions=("broadcast_tensor",),
+        sim_verdict="deadlock",
+    ),
+    Mutant(
+        name="moe_loss_scale_twice",
+        description=(
+            "The MoE mean is multiplied by loss_scale a second time (per-layer values are "
+            "scaled once, correctly). Scenario: loss_scale != 1."
+        ),
+        edits=(
+            (
+                "mean = scaled.sum() / (num_moe_layers or scaled.numel())",
+                "mean = scaled.sum() * loss_scale / (num_moe_layers or scaled.numel())",
+            ),
+        ),
+        fails=("moe.loss_scale",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_per_layer_one_based",
+        description=(
+            "Per-layer keys are 1-based (moe/{name}_layer_1 for the first layer). Scenario: "
+            "per_layer_logging=True."
+        ),
+        edits=(('per_layer[f"moe/{name}_layer_{i}"]', 'per_layer[f"moe/{name}_layer_{i + 1}"]'),),
+        fails=("moe.per_layer",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="mtp_loss_unscaled",
+        description=(
+            "The MTP loss ignores loss_scale (the NeMo-RL 'MTP loss off by the number of "
+            "microbatches' bug). Scenario: loss_scale != 1."
+        ),
+        edits=(
+            (
+                'losses = tracker["loss_values"].float() * loss_scale\n',
+                'losses = tracker["loss_values"].float()\n',
+            ),
+        ),
+        fails=("mtp.loss_scale",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+]
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in _MUTANTS}
+assert len(MUTANTS) == len(_MUTANTS), "duplicate mutant names"
+
+
+def reference_source() -> str:
+    return REFERENCE_PATH.read_text(encoding="utf-8")
+
+
+def apply_edits(source: str, edits: tuple[tuple[str, str], ...], label: str) -> str:
+    """Apply ``edits`` in order; each snippet must occur exactly once at that point."""
+    for index, (snippet, replacement) in enumerate(edits):
+        count = source.count(snippet)
+        if count != 1:
+            raise MutantApplyError(
+                f"mutant {label!r}, edit {index}: the snippet occurs {count} times in "
+                f"{REFERENCE_PATH} (expected exactly once); the reference changed, update "
+                f"tests/broken/mutants.py. Snippet: {snippet!r}"
+            )
+        source = source.replace(snippet, replacement, 1)
+    return source
+
+
+def mutant_source(name: str) -> str:
+    """The reference source with mutant ``name``'s edits applied."""
+    try:
+        mutant = MUTANTS[name]
+    except KeyError:
+        raise KeyError(f"unknown mutant {name!r}; known: {sorted(MUTANTS)}") from None
+    return apply_edits(reference_source(), mutant.edits, name)
+
+
+def write_mutant(name: str, directory: Path) -> Path:
+    """Write ``<directory>/<name>.py`` (exactly `mutant_source`) and return its path."""
+    source = mutant_source(name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.py"
+    path.write_text(source, encoding="utf-8")
+    return path

@@ -1,0 +1,521 @@
+"""The mutants apply to the current reference, compile, and really change behaviour.
+
+No processes are started. Behaviour is compared in one process: either in the documented local
+mode (torch.distributed not initialised), or with a recording stand-in for ``torch.distributed``
+and ``parallel_state`` patched into the loaded module, which lets one rank see what its peers
+described in the metadata round and records which collectives it then enters. Every check runs
+the same situation against the reference and the mutant and pins both outcomes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.moe.moe_logging import (
+    destroy_moe_metrics_tracker,
+    get_moe_metrics_tracker,
+)
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from .mutants import (
+    MUTANTS,
+    REFERENCE_PATH,
+    Mutant,
+    MutantApplyError,
+    mutant_source,
+    reference_source,
+    write_mutant,
+)
+
+AUX = "load_balancing_loss"
+GLOBAL = "global_load_balancing_loss"
+Z = "z_loss"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_trackers() -> Iterator[None]:
+    assert not dist.is_initialized()
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker = {}
+    yield
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker = {}
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"mutant_{uuid.uuid4().hex[:12]}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModuleType]:
+    """The reference (key ``"reference"``) and every mutant, loaded from written files."""
+    directory = tmp_path_factory.mktemp("mutants")
+    loaded = {"reference": _load(REFERENCE_PATH)}
+    for name in MUTANTS:
+        loaded[name] = _load(write_mutant(name, directory))
+    return loaded
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_applies_compiles_and_differs(name: str) -> None:
+    mutant = MUTANTS[name]
+    source = mutant_source(name)
+    compile(source, f"{name}.py", "exec")
+    reference = reference_source()
+    assert source != reference
+    for snippet, replacement in mutant.edits:
+        assert reference.count(snippet) == 1, f"{name}: snippet not unique in the reference"
+        assert replacement in source
+
+
+def test_write_mutant_writes_the_source(tmp_path: Path) -> None:
+    name = next(iter(MUTANTS))
+    path = write_mutant(name, tmp_path / "nested")
+    assert path == tmp_path / "nested" / f"{name}.py"
+    assert path.read_text(encoding="utf-8") == mutant_source(name)
+
+
+def test_missing_or_repeated_snippet_is_loud(monkeypatch: pytest.MonkeyPatch) -> None:
+    def bogus(snippet: str) -> Mutant:
+        return Mutant(
+            name="bogus",
+            description="x",
+            edits=((snippet, "y"),),
+            fails=("moe.values",),
+            functions=("get_moe_metrics",),
+            sim_verdict=None,
+        )
+
+    monkeypatch.setitem(MUTANTS, "bogus", bogus("this text is not in the reference"))
+    with pytest.raises(MutantApplyError, match="occurs 0 times"):
+        mutant_source("bogus")
+    monkeypatch.setitem(
+        MUTANTS, "bogus", bogus("import torch")
+    )  # twice: import torch(.distributed)
+    with pytest.raises(MutantApplyError, match="occurs 2 times"):
+        mutant_source("bogus")
+    with pytest.raises(KeyError, match="unknown mutant"):
+        mutant_source("no_such_mutant")
+
+
+def test_metadata_is_validated() -> None:
+    base: dict[str, Any] = {
+        "name": "m",
+        "description": "d",
+        "edits": (("a", "b"),),
+        "fails": ("moe.values",),
+        "functions": ("get_moe_metrics",),
+        "sim_verdict": None,
+    }
+    Mutant(**base)
+    for bad in (
+        {"fails": ("moe.value",)},
+        {"functions": ("get_metrics",)},
+        {"sim_verdict": "hang"},
+        {"edits": (("a", "a"),)},
+        {"edits": ()},
+        {"name": "not an identifier"},
+    ):
+        with pytest.raises(ValueError):
+            Mutant(**(base | bad))
+
+
+def test_brief_coverage() -> None:
+    """The verdicts the simulator must produce, and the properties the suite must fail."""
+    verdicts = {m.sim_verdict for m in MUTANTS.values()}
+    assert {"deadlock", "mismatch", None} <= verdicts
+    failed = {p for m in MUTANTS.values() for p in m.fails}
+    assert {
+        "moe.no_hang",
+        "moe.values",
+        "mtp.keys",
+        "mtp.acceptance_rate",
+        "moe.reset",
+        "track_names.router_parity",
+        "broadcast.errors_everywhere",
+    } <= failed
+
+
+# ----------------------------------------------------------------------------- stand-in world
+
+
+class FakeDist:
+    """Enough of ``torch.distributed`` for one rank of a CPU (gloo) world.
+
+    ``peers`` maps another rank to the object it contributes to ``all_gather_object`` (ranks
+    not listed contribute the same object as this rank). Every collective entered is recorded.
+    """
+
+    ReduceOp = dist.ReduceOp
+
+    def __init__(self, rank: int, world: int, peers: dict[int, Any] | None = None) -> None:
+        self.rank = rank
+        self.world = world
+        self.peers = peers or {}
+        self.calls: list[str] = []
+        self.group = SimpleNamespace(WORLD=None)
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self, group: Any = None) -> int:
+        return self.rank
+
+    def get_world_size(self, group: Any = None) -> int:
+        return self.world
+
+    def get_backend(self, group: Any = None) -> str:
+        return "gloo"
+
+    def get_process_group_ranks(self, group: Any) -> list[int]:
+        return list(range(self.world))
+
+    def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
+        self.calls.append("all_gather_object")
+        for i in range(len(out)):
+            out[i] = obj if i == self.rank else self.peers.get(i, obj)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+        self.calls.append("broadcast")
+
+
+def _fake_world(
+    module: ModuleType, monkeypatch: pytest.MonkeyPatch, fake: FakeDist
+) -> list[list[tuple[str, int]]]:
+    """Patch ``fake`` into ``module``; returns the list of ``_sync_metrics`` calls, each as
+    ``[(name, length), ...]`` in the order the names would be reduced."""
+    monkeypatch.setattr(module, "dist", fake)
+    monkeypatch.setattr(
+        module, "parallel_state", SimpleNamespace(model_parallel_is_initialized=lambda: True)
+    )
+    syncs: list[list[tuple[str, int]]] = []
+    tracker = get_moe_metrics_tracker()
+
+    def sync(names: list[str], pg_collection: Any = None) -> None:
+        syncs.append([(n, int(tracker.metrics[n].values.numel())) for n in names])
+
+    monkeypatch.setattr(tracker, "_sync_metrics", sync)
+    return syncs
+
+
+def _peer_payload(module: ModuleType, entries: dict[str, int], track: list[str], req: int) -> Any:
+    """Another rank's metadata: entries recorded with no groups and needs_dp_avg False."""
+    return {
+        "error": None,
+        "entries": {
+            n: module._EntryMeta(k, str(torch.float32), None, None, False)
+            for n, k in entries.items()
+        },
+        "track_names": track,
+        "requested_length": req,
+        "kinds": [],
+    }
+
+
+def _record(name: str, values: list[float]) -> None:
+    """Record a full per-layer vector (no groups, needs_dp_avg False: never a placeholder)."""
+    tracker = get_moe_metrics_tracker()
+    for layer, value in enumerate(values, start=1):
+        tracker.record(name, torch.tensor(value), layer, len(values), needs_dp_avg=False)
+
+
+def _mtp(loss: list[float], correct: list[float], total: list[float]) -> None:
+    MTPLossLoggingHelper.tracker = {
+        "loss_values": torch.tensor(loss),
+        "correct_values": torch.tensor(correct),
+        "total_values": torch.tensor(total),
+        "reduce_group": None,
+        "avg_group": None,
+    }
+
+
+def _values(result: dict[str, Any], suffix: str, prefix: str = "") -> list[Any]:
+    """The values of the keys with ``prefix`` and ``suffix``, in key order; NaN as "nan" (so
+    that it compares equal to itself). Key spelling is deliberately not observed here."""
+    return [
+        "nan" if isinstance(v, float) and math.isnan(v) else v
+        for k, v in sorted(result.items())
+        if k.startswith(prefix) and k.endswith(suffix)
+    ]
+
+
+# ----------------------------------------------------------------------------- behaviour
+# Each check runs one situation on a module and returns what can be observed; the test pins the
+# observation for the reference and for the mutant.
+
+Check = Callable[[ModuleType, pytest.MonkeyPatch], Any]
+
+
+def _empty_stage(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # This rank (global rank 1, stage 0) recorded nothing; rank 0 (stage 1) recorded AUX over
+    # 5 slots (4 layers + 1 MTP layer).
+    fake = FakeDist(1, 2, {0: _peer_payload(m, {AUX: 5}, [AUX], 5)})
+    syncs = _fake_world(m, mp, fake)
+    out = m.get_moe_metrics(1.0, None, False, 4, 1, [AUX])
+    return out.get(AUX), syncs
+
+
+def _preinit_length(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    fake = FakeDist(1, 2, {0: _peer_payload(m, {AUX: 5}, [AUX], 5)})
+    syncs = _fake_world(m, mp, fake)
+    m.get_moe_metrics(1.0, None, False, 4, 1, [AUX])
+    destroy_moe_metrics_tracker()
+    mp.undo()
+    local = m.get_moe_metrics(1.0, None, True, 4, 1, [AUX])  # local mode, nothing recorded
+    return syncs, len([k for k in local if k.startswith("moe/")])
+
+
+def _sync_order(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # The router records z_loss before the aux losses, and load_balancing before global.
+    _record(Z, [1.0, 1.0, 1.0, 1.0])
+    _record(AUX, [2.0, 2.0, 2.0, 2.0])
+    _record(GLOBAL, [3.0, 3.0, 3.0, 3.0])
+    syncs = _fake_world(m, mp, FakeDist(1, 2))
+    m.get_moe_metrics(1.0)
+    return [[n for n, _ in call] for call in syncs]
+
+
+def _rank_zero_raises(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    seen = []
+    for rank in (0, 1):
+        destroy_moe_metrics_tracker()
+        _record(AUX, [2.0, 2.0])
+        fake = FakeDist(rank, 2)
+        _fake_world(m, mp, fake)
+        try:
+            out: Any = m.get_moe_metrics(1.0)
+        except RuntimeError as exc:
+            out = f"RuntimeError before {fake.calls}: {exc}"
+        seen.append(out if isinstance(out, str) else (out.get(AUX), fake.calls))
+        mp.undo()
+    return seen
+
+
+def _mean_with_mtp(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _record(AUX, [1.0, 2.0, 3.0, 4.0, 10.0])  # 4 decoder layers + 1 MTP layer
+    return m.get_moe_metrics(1.0, None, False, 4, 1, [AUX])[AUX]
+
+
+def _mtp_keys(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _mtp([4.0, 8.0], [3.0, 1.0], [4.0, 2.0])
+    return sorted(m.get_mtp_metrics(0.5))
+
+
+def _mtp_rate_scaled(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _mtp([4.0], [3.0], [4.0])
+    return _values(m.get_mtp_metrics(0.5), "_acceptance_rate")
+
+
+def _mtp_rate_zero_total(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _mtp([4.0, 4.0, 4.0], [0.0, 2.0, 1.0], [0.0, 0.0, 4.0])
+    return _values(m.get_mtp_metrics(), "_acceptance_rate")
+
+
+def _two_steps(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    totals: dict[str, Any] = {}
+    _record(AUX, [2.0, 4.0])
+    first = m.get_moe_metrics(1.0, totals)
+    _record(AUX, [1.0, 1.0])
+    second = m.get_moe_metrics(1.0, totals)
+    values = get_moe_metrics_tracker().metrics[AUX].values.tolist()
+    return first[AUX], second[AUX], float(totals[AUX]), values
+
+
+def _track_names(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    configs = [
+        SimpleNamespace(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01),
+        SimpleNamespace(
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.01,
+            moe_z_loss_coeff=None,
+        ),
+        SimpleNamespace(moe_z_loss_coeff=1e-3),
+    ]
+    return [m.get_aux_loss_track_names(c) for c in configs]
+
+
+def _moe_names_without_z(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    empty = sorted(m.get_moe_metrics(1.0, None, False, 2, 0, []))
+    _record(AUX, [2.0, 4.0])
+    return empty, sorted(m.get_moe_metrics(1.0))
+
+
+def _broadcast_bad_peer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1 is a receiver with a good buffer; rank 2 passed a wrong-shaped buffer.
+    seen = {}
+    descs = {
+        0: ("src", (4,), "torch.float32"),
+        1: ("recv", (4,), "torch.float32", "cpu"),
+        2: ("recv", (5,), "torch.float32", "cpu"),
+    }
+    for me, buffer in ((1, torch.zeros(4)), (2, torch.zeros(5))):
+        fake = FakeDist(me, 3, descs)
+        mp.setattr(m, "dist", fake)
+        try:
+            m.broadcast_tensor(buffer, 0, object())
+            seen[me] = ("returned", fake.calls)
+        except ValueError as exc:
+            seen[me] = ("ValueError", fake.calls, "rank 2" in str(exc))
+        mp.undo()
+    return seen
+
+
+def _moe_loss_scale(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _record(AUX, [2.0, 4.0])
+    out = m.get_moe_metrics(0.5, None, True)
+    return out[AUX], _values(out, "", prefix="moe/")
+
+
+def _moe_per_layer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _record(AUX, [2.0, 4.0])
+    return sorted(k for k in m.get_moe_metrics(1.0, None, True) if k.startswith("moe/"))
+
+
+def _mtp_loss_scale(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _mtp([4.0], [1.0], [2.0])
+    return _values(m.get_mtp_metrics(0.25), "_loss")
+
+
+SYNC_5 = [[(AUX, 5)]]
+#: mutant -> (situation, what the reference shows, what the mutant shows)
+BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
+    "moe_empty_stage_returns_early": (
+        _empty_stage,
+        (0.0, SYNC_5),  # the empty stage enters the pipeline reduction with a zero entry
+        (None, []),  # ... the mutant returns {} without entering it
+    ),
+    "moe_preinit_without_mtp": (
+        _preinit_length,
+        (SYNC_5, 5),  # peers reduce float32[5]; 5 per-layer values locally
+        ([[(AUX, 4)]], 4),  # this rank would send float32[4]: a size mismatch
+    ),
+    "moe_local_insertion_order": (
+        _sync_order,
+        [[GLOBAL, AUX, Z]],
+        [[Z, AUX, GLOBAL]],
+    ),
+    "moe_raises_on_rank0": (
+        _rank_zero_raises,
+        [(2.0, ["all_gather_object"])] * 2,
+        [
+            "RuntimeError before []: get_moe_metrics: logging rank 0 failed",
+            (2.0, ["all_gather_object"]),
+        ],
+    ),
+    "moe_mean_over_num_layers": (_mean_with_mtp, 4.0, 5.0),  # sum 20 over 5 slots, not 4
+    "mtp_zero_based_keys": (
+        _mtp_keys,
+        ["mtp_1_acceptance_rate", "mtp_1_loss", "mtp_2_acceptance_rate", "mtp_2_loss"],
+        ["mtp_0_acceptance_rate", "mtp_0_loss", "mtp_1_acceptance_rate", "mtp_1_loss"],
+    ),
+    "mtp_acceptance_scaled": (_mtp_rate_scaled, [75.0], [37.5]),
+    # correct/total = 0/0, 2/0, 1/4: the clamp gives 0 and 100 (200 clamped); without it nan
+    # and inf (clamped to 100).
+    "mtp_acceptance_unclamped_total": (
+        _mtp_rate_zero_total,
+        [0.0, 100.0, 25.0],
+        ["nan", 100.0, 25.0],
+    ),
+    "moe_tracker_not_cleared": (
+        _two_steps,
+        (3.0, 1.0, 4.0, [0.0, 0.0]),
+        (3.0, 4.0, 7.0, [3.0, 5.0]),
+    ),
+    "track_names_always_z_loss": (
+        _track_names,
+        [[AUX], [AUX], [Z]],
+        [[Z, AUX], [Z, AUX], [Z]],
+    ),
+    "moe_always_reports_z_loss": (
+        _moe_names_without_z,
+        ([], [AUX]),
+        ([Z], [AUX, Z]),
+    ),
+    "broadcast_local_buffer_check": (
+        _broadcast_bad_peer,
+        {
+            1: ("ValueError", ["all_gather_object"], True),
+            2: ("ValueError", ["all_gather_object"], True),
+        },
+        {
+            1: ("returned", ["all_gather_object", "broadcast"]),  # blocks in the broadcast
+            2: ("ValueError", ["all_gather_object"], True),
+        },
+    ),
+    "moe_loss_scale_twice": (_moe_loss_scale, (1.5, [1.0, 2.0]), (0.75, [1.0, 2.0])),
+    "moe_per_layer_one_based": (
+        _moe_per_layer,
+        [f"moe/{AUX}_layer_0", f"moe/{AUX}_layer_1"],
+        [f"moe/{AUX}_layer_1", f"moe/{AUX}_layer_2"],
+    ),
+    "mtp_loss_unscaled": (_mtp_loss_scale, [1.0], [4.0]),
+}
+
+
+def test_every_mutant_has_a_behaviour_check() -> None:
+    assert sorted(BEHAVIOUR) == sorted(MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_mutant_changes_behaviour(
+    name: str, modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check, expected_reference, expected_mutant = BEHAVIOUR[name]
+    observed = {}
+    for label in ("reference", name):
+        destroy_moe_metrics_tracker()
+        MTPLossLoggingHelper.tracker = {}
+        observed[label] = check(modules[label], monkeypatch)
+        monkeypatch.undo()
+    assert observed["reference"] == expected_reference
+    assert observed[name] == expected_mutant
+    assert observed[name] != observed["reference"]
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_other_situations_unchanged(
+    name: str, modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bug each: the mutant behaves like the reference in every other mutant's situation
+    unless that situation is one its own bug shows in."""
+    mutant = MUTANTS[name]
+    for other, (check, _, _) in BEHAVIOUR.items():
+        if other == name or _shares_bug_surface(mutant, MUTANTS[other], name, other):
+            continue
+        seen = []
+        for label in ("reference", name):
+            destroy_moe_metrics_tracker()
+            MTPLossLoggingHelper.tracker = {}
+            seen.append(check(modules[label], monkeypatch))
+            monkeypatch.undo()
+        assert seen[0] == seen[1], f"{name} also changes the situation of {other}"
+
+
+#: Pairs of mutants whose bug also shows in the other's situation (checked, not assumed).
+_OVERLAPS: frozenset[frozenset[str]] = frozenset(
+    {
+    }
+)
+
+
+def _shares_bug_surface(a: Mutant, b: Mutant, name_a: str, name_b: str) -> bool:
+    return frozenset({name_a, name_b}) in _OVERLAPS
