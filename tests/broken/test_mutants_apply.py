@@ -491,31 +491,35 @@ def test_mutant_changes_behaviour(
     assert observed[name] != observed["reference"]
 
 
+#: Pairs of mutants whose bug also shows in the other's situation: a stage that recorded
+#: nothing is exactly where both the early return and the short pre-initialisation act.
+OVERLAPS: frozenset[frozenset[str]] = frozenset(
+    {frozenset({"moe_preinit_without_mtp", "moe_empty_stage_returns_early"})}
+)
+
+
+def _observe(check: Check, module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Any:
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker = {}
+    try:
+        return check(module, monkeypatch)
+    finally:
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_other_situations_unchanged(
     name: str, modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One bug each: the mutant behaves like the reference in every other mutant's situation
-    unless that situation is one its own bug shows in."""
-    mutant = MUTANTS[name]
+    """One bug each: in every other mutant's situation the mutant behaves like the reference,
+    except for the pairs in OVERLAPS (which must really overlap, so the list stays honest)."""
     for other, (check, _, _) in BEHAVIOUR.items():
-        if other == name or _shares_bug_surface(mutant, MUTANTS[other], name, other):
+        if other == name:
             continue
-        seen = []
-        for label in ("reference", name):
-            destroy_moe_metrics_tracker()
-            MTPLossLoggingHelper.tracker = {}
-            seen.append(check(modules[label], monkeypatch))
-            monkeypatch.undo()
-        assert seen[0] == seen[1], f"{name} also changes the situation of {other}"
-
-
-#: Pairs of mutants whose bug also shows in the other's situation (checked, not assumed).
-_OVERLAPS: frozenset[frozenset[str]] = frozenset(
-    {
-    }
-)
-
-
-def _shares_bug_surface(a: Mutant, b: Mutant, name_a: str, name_b: str) -> bool:
-    return frozenset({name_a, name_b}) in _OVERLAPS
+        same = _observe(check, modules["reference"], monkeypatch) == _observe(
+            check, modules[name], monkeypatch
+        )
+        if frozenset({name, other}) in OVERLAPS:
+            assert not same, f"{name} no longer shows in the situation of {other}"
+        else:
+            assert same, f"{name} also changes the situation of {other}"

@@ -1,0 +1,128 @@
+"""What the generator actually produced: rare layouts, world sizes, broadcast inputs.
+
+A suite that never generates a stage without MoE, MTP or a large world proves nothing about
+them; `features` names the interesting traits of a scenario, and `Coverage` counts them over a
+run so the report can say which rare cases were exercised.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, TrackNamesCall
+from pipemetrics.sim.layout import EvenSplit, Setup
+from pipemetrics.sim.scenario import Scenario
+
+RARE: tuple[str, ...] = (
+    "stage_without_moe",
+    "mtp",
+    "mtp_moe_layers",
+    "num_layers_eq_pp",
+    "one_layer_stage",
+    "uneven_split",
+    "empty_stage",
+    "routing_list",
+    "zero_coefficient",
+    "z_loss",
+    "no_live_names",
+    "multi_step",
+    "router_mode",
+)
+"""Traits the report always lists, even when never seen (a zero count is the warning)."""
+
+
+def layout_features(setup: Setup) -> list[str]:
+    world, layout = setup.world, setup.layout
+    found = []
+    stages = range(world.pp)
+    if any(not setup.records_moe(stage) for stage in stages):
+        found.append("stage_without_moe")
+    if layout.mtp_num_layers:
+        found.append("mtp")
+        found.append("mtp_moe_layers" if layout.mtp_is_moe else "mtp_dense_layers")
+    sizes = setup.layers_per_stage
+    if layout.num_layers == world.pp:
+        found.append("num_layers_eq_pp")
+    if 1 in sizes:
+        found.append("one_layer_stage")
+    if 0 in sizes:
+        found.append("empty_stage")
+    if not isinstance(layout.split, EvenSplit) and len(set(sizes)) > 1:
+        found.append("uneven_split")
+    if isinstance(layout.routing_type, list):
+        found.append("routing_list")
+    coeffs = layout.aux_loss_coeff if isinstance(layout.aux_loss_coeff, list) else [layout.aux_loss_coeff]
+    if 0.0 in coeffs:
+        found.append("zero_coefficient")
+    if layout.z_loss_coeff is not None:
+        found.append("z_loss" if layout.z_loss_coeff else "z_loss_zero_coeff")
+    if not layout.live_track_names:
+        found.append("no_live_names")
+    if layout.microbatches > 1:
+        found.append("microbatches>1")
+    return found
+
+
+def broadcast_features(call: BroadcastCall) -> list[str]:
+    found = [f"dtype={call.dtype}"]
+    if not call.shape:
+        found.append("0-d")
+    elif 0 in call.shape:
+        found.append("empty")
+    if call.non_contiguous:
+        found.append("non_contiguous")
+    if call.source_passes_none:
+        found.append("source_none")
+    if call.buffers:
+        found.append("receiver_buffer")
+    if any(
+        b.shape != call.shape or b.dtype != call.dtype or b.device != "default"
+        for b in call.buffers.values()
+    ):
+        found.append("invalid_buffer")
+    return found
+
+
+def features(scenario: Scenario) -> list[str]:
+    """The traits of one scenario."""
+    world = scenario.setup.world
+    found = [f"world_size={world.world_size}", f"shape={world.key.removeprefix('gloo-')}"]
+    calls = [call for step in scenario.steps for call in step.calls]
+    if any(isinstance(c, MoeCall | MtpCall | TrackNamesCall) for c in calls):
+        found += layout_features(scenario.setup)
+    if len(scenario.steps) > 1:
+        found.append("multi_step")
+    if scenario.mode == "router":
+        found.append("router_mode")
+    for call in calls:
+        if isinstance(call, BroadcastCall):
+            found += broadcast_features(call)
+    return found
+
+
+class Coverage:
+    """Counts of traits over every scenario run."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.scenarios = 0
+
+    def add(self, scenario: Scenario) -> None:
+        self.scenarios += 1
+        self.counts.update(set(features(scenario)))
+
+    def merge(self, data: dict[str, Any]) -> None:
+        self.scenarios += int(data.get("scenarios", 0))
+        self.counts.update({k: int(v) for k, v in data.get("counts", {}).items()})
+
+    def as_json(self) -> dict[str, Any]:
+        counts = {name: self.counts.get(name, 0) for name in RARE}
+        counts.update(self.counts)
+        sizes = sorted(int(k.split("=")[1]) for k in self.counts if k.startswith("world_size="))
+        return {
+            "scenarios": self.scenarios,
+            "world_sizes": sizes,
+            "never_seen": [name for name in RARE if not self.counts.get(name)],
+            "counts": dict(sorted(counts.items())),
+        }

@@ -1,0 +1,128 @@
+"""The check's outputs: the human table and failure write-ups, the JSON report, JUnit XML.
+
+JSON contract: ``{"target", "profile", "conformant", "properties": [{"id", "function",
+"status", "examples", "seconds", "counterexample", "replay", "message"}]}`` plus the additional
+top-level key ``"coverage"``.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any, TextIO
+
+from pipemetrics.properties.engine import PropertyResult
+
+
+def conformant(results: list[PropertyResult]) -> bool:
+    """True when no property of a provided function failed or errored (xfails excepted)."""
+    return all(r.status in ("pass", "absent", "skipped") or r.xfail for r in results)
+
+
+def report_json(
+    target: str, profile: str, results: list[PropertyResult], coverage: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "target": target,
+        "profile": profile,
+        "conformant": conformant(results),
+        "properties": [r.as_json() for r in results],
+        "coverage": coverage,
+    }
+
+
+def write_json(path: str, data: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, default=repr) + "\n", encoding="utf-8")
+
+
+def write_junit(path: str, target: str, results: list[PropertyResult]) -> None:
+    suite = ET.Element(
+        "testsuite",
+        name="pipemetrics.check",
+        tests=str(len(results)),
+        failures=str(sum(r.status == "fail" for r in results)),
+        errors=str(sum(r.status == "error" for r in results)),
+        skipped=str(sum(r.status in ("absent", "skipped") for r in results)),
+        time=f"{sum(r.seconds for r in results):.3f}",
+    )
+    for r in results:
+        case = ET.SubElement(
+            suite, "testcase", classname=f"pipemetrics.{r.function}", name=r.id,
+            time=f"{r.seconds:.3f}",
+        )  # fmt: skip
+        if r.status == "fail":
+            node = ET.SubElement(case, "failure", message=(r.message or "")[:500])
+            node.text = "\n".join(x for x in (r.message, r.details, r.replay) if x)
+        elif r.status == "error":
+            node = ET.SubElement(case, "error", message=(r.message or "")[:500])
+            node.text = "\n".join(x for x in (r.message, r.details) if x)
+        elif r.status in ("absent", "skipped"):
+            ET.SubElement(case, "skipped", message=r.message or r.status)
+    ET.SubElement(suite, "properties").append(
+        ET.Element("property", name="target", value=target)
+    )
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _status_text(r: PropertyResult) -> str:
+    return f"{r.status} (xfail)" if r.xfail else r.status
+
+
+def print_table(results: list[PropertyResult], out: TextIO) -> None:
+    width = max((len(r.id) for r in results), default=10)
+    out.write(f"\n{'property':<{width}}  {'status':<12} {'examples':>8} {'seconds':>8}\n")
+    out.write(f"{'-' * width}  {'-' * 12} {'-' * 8} {'-' * 8}\n")
+    for r in results:
+        out.write(f"{r.id:<{width}}  {_status_text(r):<12} {r.examples:>8} {r.seconds:>8.1f}\n")
+
+
+def _counterexample_summary(data: dict[str, Any]) -> str:
+    setup = data.get("setup", {})
+    world = {k: v for k, v in setup.get("world", {}).items() if v != 1 or k == "pp"}
+    lines = [f"  world: {json.dumps(world)}", f"  layout: {json.dumps(setup.get('layout', {}))}"]
+    if data.get("mode") == "router":
+        lines.append(f"  mode: router (megatron-core's routers record), seed {data.get('seed')}")
+    for i, step in enumerate(data.get("steps", [])):
+        lines.append(f"  step {i} calls: {json.dumps(step.get('calls', []))}")
+        records = step.get("records") or {}
+        for kind in ("moe", "mtp"):
+            for rank, recs in sorted((records.get(kind) or {}).items(), key=lambda x: int(x[0])):
+                if kind == "moe":
+                    items = [f"{r['name']}[{r['layer_number']}]={r['value']!r}" for r in recs]
+                else:
+                    items = [
+                        f"L{r['layer_number']}: loss={r['loss']!r} correct={r['correct']!r} "
+                        f"total={r['total']!r}"
+                        for r in recs
+                    ]
+                text = ", ".join(items)
+                if len(text) > 400:
+                    text = text[:397] + "..."
+                lines.append(f"  step {i} rank {rank} records {kind}: {text}")
+    return "\n".join(lines)
+
+
+def print_failures(results: list[PropertyResult], out: TextIO) -> None:
+    for r in results:
+        if r.status not in ("fail", "error"):
+            continue
+        out.write(f"\n=== {r.status.upper()}: {r.id} ({r.function}){' [xfail]' if r.xfail else ''}\n")
+        out.write(f"{r.message}\n")
+        if r.counterexample is not None:
+            out.write("minimal counterexample:\n")
+            out.write(_counterexample_summary(r.counterexample) + "\n")
+        if r.details:
+            out.write("what each rank did:\n" + r.details + "\n")
+        if r.replay:
+            out.write(f"reproduce with: {r.replay}\n")
+
+
+def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
+    out.write(f"\ncoverage over {coverage.get('scenarios', 0)} scenarios: ")
+    out.write(f"world sizes {coverage.get('world_sizes', [])}\n")
+    counts = coverage.get("counts", {})
+    rare = ", ".join(f"{k}={v}" for k, v in counts.items() if not k.startswith(("shape=", "world_size=")))
+    out.write(f"  {rare}\n")
+    if coverage.get("never_seen"):
+        out.write(f"  WARNING: never generated: {', '.join(coverage['never_seen'])}\n")

@@ -1,0 +1,236 @@
+"""``pipemetrics check``: run the property catalogue against an implementation.
+
+`add_check_arguments` declares the options, `run_check` runs them and returns the exit code:
+0 every property of every provided function passes, 1 any fails (or errors), 2 usage or load
+errors. Progress goes to stderr, one line per property; the table, the failure write-ups (with
+the shrunk counterexample, what each rank did and the ``pipemetrics replay`` command) and the
+coverage summary go to stdout. ``-n WORKERS`` splits the properties over worker processes, each
+running this same command on its share with its own world pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pipemetrics.properties.catalogue import SEMANTIC_PROFILES, Property
+from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.engine import PropertyResult, RunOptions, run_property
+from pipemetrics.properties.profiles import DEFAULT_PROFILE, PROFILE_NAMES, get_profile
+from pipemetrics.properties.report import (
+    conformant,
+    print_coverage,
+    print_failures,
+    print_table,
+    report_json,
+    write_json,
+    write_junit,
+)
+from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.scenario import DEFAULT_TARGET
+from pipemetrics.sim.target import TargetLoadError, is_path_target, load_target, provided_functions
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_DATABASE = os.environ.get(
+    "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
+)
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--impl", default=DEFAULT_TARGET, metavar="TARGET",
+        help="dotted module name or path to a .py file (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--profile", choices=SEMANTIC_PROFILES, default="seed",
+                        help="semantic profile: seed (mean over tracker entries) or megatron "
+                        "(mean over MoE layers, as Megatron's report())")  # fmt: skip
+    parser.add_argument("--max-examples", type=int, default=None, metavar="N",
+                        help="examples per property (default: from the Hypothesis profile)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="derandomise Hypothesis with this seed")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="FILE")
+    parser.add_argument("--junit", default=None, metavar="FILE")
+    parser.add_argument("-n", "--workers", type=int, default=1, metavar="WORKERS",
+                        help="run properties in this many worker processes")
+    parser.add_argument("--hypothesis-profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE)
+    parser.add_argument("--skip", default=None, metavar="FILE", help="property IDs not to run")
+    parser.add_argument("--xfail", default=None, metavar="FILE",
+                        help="property IDs expected to fail (do not break conformance)")
+    parser.add_argument("--only", nargs="+", default=None, metavar="ID",
+                        help="run only these property IDs (or families: moe, mtp.*)")
+    parser.add_argument("--report-dir", default="pipemetrics-report", metavar="DIR",
+                        help="where failing scenarios are written (default: %(default)s)")
+    parser.add_argument("--database", default=DEFAULT_DATABASE, metavar="DIR",
+                        help="Hypothesis example database ('none' disables it)")
+    parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+
+
+def _resolve_target(target: str) -> str:
+    return str(Path(target).expanduser().resolve()) if is_path_target(target) else target
+
+
+def _err(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def _outcome_line(index: int, total: int, result: PropertyResult) -> str:
+    extra = f" ({result.message.splitlines()[0][:160]})" if result.message else ""
+    label = f"{result.status} (xfail)" if result.xfail else result.status
+    return (
+        f"[{index}/{total}] {result.id}: {label}, {result.examples} examples, "
+        f"{result.seconds:.1f} s{extra}"
+    )
+
+
+def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
+    return PropertyResult(prop.id, prop.function, status, message=message)  # type: ignore[arg-type]
+
+
+def _run_here(
+    todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
+) -> list[PropertyResult]:
+    results = []
+    with WorldPool(max_ranks=options.profile.max_ranks) as pool:
+        for i, prop in enumerate(todo, start=offset + 1):
+            _err(f"[{i}/{total}] {prop.id} ...")
+            result = run_property(prop, pool, options, coverage)
+            results.append(result)
+            _err(_outcome_line(i, total, result))
+    return results
+
+
+def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:
+    command = [
+        sys.executable, "-m", "pipemetrics.properties.cli", "check",
+        "--impl", args.impl, "--profile", args.profile,
+        "--hypothesis-profile", args.hypothesis_profile,
+        "--report-dir", args.report_dir, "--database", args.database,
+        "--worker-json", out, "--only", *ids,
+    ]  # fmt: skip
+    if args.max_examples is not None:
+        command += ["--max-examples", str(args.max_examples)]
+    if args.seed is not None:
+        command += ["--seed", str(args.seed)]
+    return command
+
+
+def _run_workers(
+    args: argparse.Namespace, todo: list[Property], coverage: Coverage
+) -> list[PropertyResult]:
+    """Split ``todo`` round-robin over worker processes and merge their results."""
+    workers = max(1, min(args.workers, len(todo)))
+    shares = [[p.id for p in todo[i::workers]] for i in range(workers)]
+    with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
+        procs = []
+        try:
+            for i, ids in enumerate(shares):
+                out = os.path.join(tmp, f"worker{i}.json")
+                procs.append((subprocess.Popen(_worker_command(args, ids, out)), out))
+            for proc, _ in procs:
+                proc.wait()
+        finally:
+            for proc, _ in procs:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(10)
+        by_id: dict[str, PropertyResult] = {}
+        for proc, out in procs:
+            if not os.path.exists(out):
+                raise RuntimeError(f"a worker exited with code {proc.returncode} without results")
+            data = json.loads(Path(out).read_text(encoding="utf-8"))
+            coverage.merge(data["coverage"])
+            for item in data["results"]:
+                by_id[item["id"]] = PropertyResult(**item)
+    return [by_id[p.id] for p in todo if p.id in by_id]
+
+
+def run_check(args: argparse.Namespace) -> int:
+    try:
+        profile = get_profile(args.hypothesis_profile)
+        selection: Selection = select(args.only, args.skip, args.xfail)
+    except (SelectionError, ValueError, OSError) as exc:
+        _err(f"pipemetrics check: {exc}")
+        return EXIT_USAGE
+    if args.max_examples is not None and args.max_examples < 1:
+        _err("pipemetrics check: --max-examples must be >= 1")
+        return EXIT_USAGE
+    target = _resolve_target(args.impl)
+    args.impl = target
+    try:
+        provided = set(provided_functions(load_target(target)))
+    except TargetLoadError as exc:
+        _err(f"pipemetrics check: {exc}")
+        return EXIT_USAGE
+    for warning in selection.warnings:
+        _err(f"warning: {warning}")
+
+    options = RunOptions(
+        target=target,
+        semantic=args.profile,
+        profile=profile,
+        max_examples=args.max_examples,
+        seed=args.seed,
+        database=args.database,
+        report_dir=Path(args.report_dir),
+    )
+    results: dict[str, PropertyResult] = {}
+    todo = []
+    for prop in selection.properties:
+        if prop.function not in provided:
+            results[prop.id] = _not_run(prop, "absent", f"the target does not define {prop.function}")
+        elif prop.id in selection.skip:
+            results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")
+        else:
+            todo.append(prop)
+    coverage = Coverage()
+    began = time.monotonic()
+    _err(
+        f"pipemetrics check: {target} ({args.profile} profile, {profile.name} Hypothesis "
+        f"profile): {len(todo)} properties to run, {len(results)} absent or skipped"
+    )
+    if args.workers > 1 and len(todo) > 1:
+        ran = _run_workers(args, todo, coverage)
+    else:
+        ran = _run_here(todo, options, coverage, len(todo), 0)
+    for result in ran:
+        result.xfail = result.id in selection.xfail and result.status == "fail"
+        if result.id in selection.xfail and result.status == "pass":
+            _err(f"warning: {result.id} is in the xfail list but passed")
+        results[result.id] = result
+    ordered = [results[p.id] for p in selection.properties if p.id in results]
+    return _finish(args, ordered, coverage, time.monotonic() - began)
+
+
+def _finish(
+    args: argparse.Namespace, results: list[PropertyResult], coverage: Coverage, seconds: float
+) -> int:
+    cov = coverage.as_json()
+    if args.worker_json:
+        data: dict[str, Any] = {"results": [r.__dict__ for r in results], "coverage": {
+            "scenarios": coverage.scenarios, "counts": dict(coverage.counts)}}  # fmt: skip
+        write_json(args.worker_json, data)
+        return EXIT_OK if conformant(results) else EXIT_FAIL
+    out = sys.stdout
+    print_table(results, out)
+    print_failures(results, out)
+    print_coverage(cov, out)
+    ok = conformant(results)
+    out.write(
+        f"\n{args.impl}: {'CONFORMANT' if ok else 'NOT CONFORMANT'} "
+        f"({args.profile} profile, {seconds:.0f} s)\n"
+    )
+    out.flush()
+    if args.json_out:
+        write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
+    if args.junit:
+        write_junit(args.junit, args.impl, results)
+    return EXIT_OK if ok else EXIT_FAIL

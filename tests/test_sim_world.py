@@ -1,0 +1,399 @@
+"""The simulator in real gloo worlds: verdicts for broken targets, raw mode, faults, cleanup.
+
+Each test bounds its own wall time through the scenario deadline (and subprocess timeouts), and
+the module's pool asserts at the end that no rank process or world directory survived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.sim.calls import MoeCall, MtpCall
+from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords
+from pipemetrics.sim.scenario import Scenario, Step, save_scenario
+from pipemetrics.sim.summary import run_passed
+
+from .conftest import TrackingPool, assert_nothing_left, pid_alive
+
+SETUP = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2, moe_layer_freq=[0, 1]))
+RECORDS = StepRecords(
+    moe={
+        1: [
+            MoeRecord(
+                name="load_balancing_loss",
+                layer_number=2,
+                value=2.0,
+                num_layers=2,
+                reduce="tp_cp",
+            )
+        ]
+    }
+)
+MOE = MoeCall(loss_scale=1.0, num_layers=2, track_names=["load_balancing_loss"])
+
+
+def scenario_for(target: Path | str, *, deadline_s: float = 30.0, setup: Setup = SETUP) -> Scenario:
+    return Scenario(
+        setup=setup,
+        target=str(target),
+        steps=[Step(records=RECORDS, calls=[MOE])],
+        deadline_s=deadline_s,
+    )
+
+
+def write_target(directory: Path, name: str, body: str) -> Path:
+    path = directory / f"{name}.py"
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return path
+
+
+def test_reference_is_clean(pool: TrackingPool) -> None:
+    run = pool.run(scenario_for("pipemetrics.reference"))
+    assert run_passed(scenario_for("pipemetrics.reference"), run), run.verdict.message
+    assert run.reusable and run.collectives_released > 0
+
+
+def test_skipped_pipeline_all_reduce_is_a_deadlock_naming_the_call_site(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "skips_empty",
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        def get_moe_metrics(loss_scale, total_loss_dict=None, per_layer_logging=False,
+                            num_layers=None, mtp_num_layers=None, track_names=None):
+            tracker = get_moe_metrics_tracker()
+            out = {}
+            for name, entry in tracker.metrics.items():  # an empty stage skips the loop
+                dist.all_reduce(entry.values,
+                                group=parallel_state.get_pipeline_model_parallel_group())
+                out[name] = float(entry.values.mean()) * loss_scale
+            tracker.clear()
+            return out
+        """,
+    )
+    run = pool.run(scenario_for(target))
+    verdict = run.verdict
+    assert verdict.kind == "deadlock", verdict.message
+    assert "rank 0 returned" in verdict.message
+    assert f"{target}:11 in get_moe_metrics" in verdict.message
+    assert verdict.latency_ms is not None and verdict.latency_ms < 1000
+    assert run.reusable, "a prevented deadlock leaves the process group untouched"
+
+
+def test_size_mismatch_is_reported_before_the_backend_sees_it(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "preinit_short",
+        """
+        import torch, torch.distributed as dist
+        from megatron.core import parallel_state
+
+        def get_moe_metrics(loss_scale, num_layers=None, mtp_num_layers=None, **_):
+            n = num_layers + (1 if parallel_state.is_pipeline_last_stage() else 0)
+            dist.all_reduce(torch.zeros(n),
+                            group=parallel_state.get_pipeline_model_parallel_group())
+            return {}
+        """,
+    )
+    run = pool.run(scenario_for(target))
+    assert run.verdict.kind == "mismatch", run.verdict.message
+    assert "tensor" in run.verdict.message and "float32[2]" in run.verdict.message
+
+
+def test_raise_on_one_rank_is_a_deadlock_with_the_exception(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "raises_rank0",
+        """
+        import torch, torch.distributed as dist
+        def get_moe_metrics(loss_scale, **_):
+            if dist.get_rank() == 0:
+                raise RuntimeError("only rank 0 is unhappy")
+            dist.all_reduce(torch.zeros(2))
+            return {}
+        """,
+    )
+    run = pool.run(scenario_for(target))
+    assert run.verdict.kind == "deadlock", run.verdict.message
+    done = run.ranks[0].done
+    assert done is not None and done.reports[0].error is not None
+    assert "only rank 0 is unhappy" in done.reports[0].error.message
+
+
+def test_raw_mode_confirms_the_hang_with_stacks(pool: TrackingPool, tmp_path: Path) -> None:
+    target = write_target(
+        tmp_path,
+        "raw_hang",
+        """
+        import torch, torch.distributed as dist
+        def get_moe_metrics(loss_scale, **_):
+            if dist.get_rank() == 1:
+                dist.all_reduce(torch.zeros(2))
+            return {}
+        """,
+    )
+    began = time.monotonic()
+    run = pool.run(scenario_for(target, deadline_s=3.0), gate=False)
+    assert time.monotonic() - began < 30
+    assert run.verdict.kind == "timeout", run.verdict.message
+    assert not run.reusable
+    assert "all_reduce" in run.verdict.stacks.get(1, ""), run.verdict.stacks
+
+
+def test_crash_of_one_rank(pool: TrackingPool, tmp_path: Path) -> None:
+    target = write_target(
+        tmp_path,
+        "exits",
+        """
+        import os, torch, torch.distributed as dist
+        def get_moe_metrics(loss_scale, **_):
+            if dist.get_rank() == 1:
+                os._exit(3)
+            dist.all_reduce(torch.zeros(2))
+            return {}
+        """,
+    )
+    world = pool.world(SETUP.world)
+    run = pool.run(scenario_for(target))
+    assert run.verdict.kind in ("crash", "deadlock"), run.verdict.message
+    assert "rank 1" in run.verdict.message
+    if run.verdict.kind == "crash":
+        assert run.verdict.crashed == {1: 3}
+        assert not run.reusable
+        assert not any(pid_alive(p) for p in world.pids)
+    after = pool.run(scenario_for("pipemetrics.reference"))
+    assert after.verdict.kind == "ok", "the pool must start a fresh world after a crash"
+
+
+def test_sleeping_forever_hits_the_deadline_with_stacks(pool: TrackingPool, tmp_path: Path) -> None:
+    target = write_target(
+        tmp_path,
+        "sleeps",
+        """
+        import time
+        def get_moe_metrics(loss_scale, **_):
+            time.sleep(3600)
+        """,
+    )
+    run = pool.run(scenario_for(target, deadline_s=2.0))
+    assert run.verdict.kind == "timeout"
+    assert "sleep" in run.verdict.stacks.get(0, ""), run.verdict.stacks
+    assert not run.reusable
+
+
+def test_stray_thread_and_megabytes_of_output_do_not_disturb(
+    pool: TrackingPool, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    target = write_target(
+        tmp_path,
+        "noisy",
+        """
+        import sys, threading, time
+        def get_moe_metrics(loss_scale, **_):
+            threading.Thread(target=lambda: time.sleep(3600)).start()  # never ends
+            sys.stdout.write("x" * 3_000_000)
+            return {"fine": 1.0}
+        """,
+    )
+    run = pool.run(scenario_for(target))
+    assert run.verdict.kind == "ok"
+    assert len(capfd.readouterr().out) < 100_000, "rank output must go to the rank's log"
+
+
+def test_reference_clean_over_random_router_layouts(pool: TrackingPool) -> None:
+    rng = random.Random(20261202)
+    shapes = [WorldSpec(pp=2), WorldSpec(pp=2, dp=2), WorldSpec(tp=2, pp=2)]
+    for _ in range(6):
+        world = rng.choice(shapes)
+        num_layers = rng.choice([2, 4])
+        freq = [rng.choice([0, 1]) for _ in range(num_layers)]
+        layout = ModelLayout(
+            num_layers=num_layers,
+            moe_layer_freq=freq,
+            mtp_num_layers=rng.choice([0, 1]),
+            routing_type=rng.choice(["aux_loss", "seq_aux_loss", "global_aux_loss"]),
+            z_loss_coeff=rng.choice([None, 0.001]),
+            microbatches=rng.choice([1, 2]),
+            split=ExplicitSplit(layers=[1, num_layers - 1]),
+        )
+        scenario = Scenario(
+            setup=Setup(world=world, layout=layout),
+            mode="router",
+            seed=rng.randrange(1000),
+            steps=[
+                Step(
+                    calls=[
+                        MoeCall(
+                            loss_scale=1 / layout.microbatches,
+                            per_layer_logging=True,
+                            num_layers=num_layers,
+                            mtp_num_layers=layout.mtp_num_layers,
+                            track_names=layout.live_track_names,
+                        ),
+                        MtpCall(loss_scale=1 / layout.microbatches),
+                    ]
+                )
+            ]
+            * 2,
+        )
+        run = pool.run(scenario)
+        assert run_passed(scenario, run), (layout, run.verdict.message)
+
+
+def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> None:
+    rng = random.Random(7)
+    names = list(ROUTER_REDUCTION)
+    for world in (WorldSpec(pp=2, dp=2), WorldSpec(pp=4)):
+        for _ in range(3):
+            length = 4
+            per_rank: dict[int, list[MoeRecord]] = {}
+            for rank in range(world.world_size):
+                chosen = rng.sample(names, rng.randrange(0, len(names) + 1))
+                per_rank[rank] = []
+                for name in chosen:
+                    reduce, avg, dp_avg = ROUTER_REDUCTION[name]
+                    per_rank[rank].append(
+                        MoeRecord(
+                            name=name,
+                            layer_number=rng.randrange(1, length + 1),
+                            value=rng.uniform(-10, 10),
+                            num_layers=length,
+                            reduce=reduce,
+                            avg=avg,
+                            needs_dp_avg=dp_avg,
+                        )
+                    )
+            scenario = Scenario(
+                setup=Setup(world=world, layout=ModelLayout(num_layers=4)),
+                steps=[Step(records=StepRecords(moe=per_rank), calls=[MoeCall(loss_scale=0.25)])],
+            )
+            run = pool.run(scenario)
+            assert run_passed(scenario, run), run.verdict.message
+
+
+# -- the controller going away --------------------------------------------------------------------
+
+CONTROLLER = """
+import sys, time
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.world import World, _forkserver_directory
+world = World(WorldSpec(pp=2)).start()
+print(" ".join(map(str, world.pids)), world.directory, *_forkserver_directory(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_nothing_survives_the_controller(how: signal.Signals, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line, "the controller did not start its world"
+        pids, dirs = {int(line[0]), int(line[1])}, set(line[2:])
+        os.kill(proc.pid, how)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (
+            any(pid_alive(p) for p in pids) or any(os.path.exists(d) for d in dirs)
+        ):
+            time.sleep(0.1)
+        assert_nothing_left(pids, dirs)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
+    target = write_target(
+        tmp_path,
+        "raises_rank0",
+        """
+        import torch, torch.distributed as dist
+        def get_moe_metrics(loss_scale, **_):
+            if dist.get_rank() == 0:
+                raise RuntimeError("boom")
+            dist.all_reduce(torch.zeros(2))
+            return {}
+        """,
+    )
+    path = save_scenario(scenario_for(target), tmp_path / "scenario.json")
+    out = tmp_path / "run.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "verdict: deadlock" in result.stdout
+    assert json.loads(out.read_text())["verdict"]["kind"] == "deadlock"
+    fixed = subprocess.run(
+        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path), "--impl",
+         "pipemetrics.reference"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+
+
+@pytest.mark.parametrize(
+    "content, field",
+    [
+        ("{not json", "<file>"),
+        ('{"setup": {"layout": {"num_layers": 0}}, "steps": []}', "setup.layout.num_layers"),
+        ('{"setup": {"world": {"pp": 4}, "layout": {"num_layers": 2}}, "steps": []}', "setup"),
+    ],
+)
+def test_bad_scenario_files_are_clear_errors(tmp_path: Path, content: str, field: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "not a valid pipemetrics scenario" in result.stderr and field in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_torchrun_runs_the_same_scenario(tmp_path: Path) -> None:
+    scenario = scenario_for("pipemetrics.reference")
+    path = save_scenario(scenario, tmp_path / "scenario.json")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
+         "pipemetrics.sim.torchrun", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "oracle: every judged value matches" in result.stdout
