@@ -1,1 +1,132 @@
-"""pytest plugin (filled in by the property-suite work)."""
+"""pytest plugin: run the conformance suite inside another project's pytest run.
+
+    pytest --pyargs pipemetrics.properties --pipemetrics-impl=mytrainer.megatron.common
+
+collects `pipemetrics.properties.test_conformance`: one test per property ID, parallel under
+pytest-xdist (``-n auto``; each worker has its own session-scoped `WorldPool`). Options:
+``--pipemetrics-impl``, ``--pipemetrics-profile`` (seed|megatron),
+``--pipemetrics-hypothesis-profile`` (dev|ci|thorough), ``--pipemetrics-max-examples``,
+``--pipemetrics-skip FILE`` and ``--pipemetrics-xfail FILE`` (one property ID per line, ``#``
+comments; IDs that no longer exist produce a warning). The plugin is loaded automatically
+through the ``pytest11`` entry point; without these options it only adds them and registers the
+``pipemetrics-*`` Hypothesis profiles, so it changes nothing in other test suites.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pipemetrics.properties.profiles import DEFAULT_PROFILE, PROFILE_NAMES, register_hypothesis_profiles
+
+register_hypothesis_profiles()
+
+CONFORMANCE_MODULE = "test_conformance.py"
+
+
+class PipemetricsListWarning(UserWarning):
+    """A skip/xfail list names a property ID that does not exist (any more)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pipemetrics", "pipemetrics conformance suite")
+    group.addoption("--pipemetrics-impl", default=None, metavar="TARGET",
+                    help="implementation to check: dotted module or .py path "
+                    "(default: pipemetrics.reference)")  # fmt: skip
+    group.addoption("--pipemetrics-profile", default="seed", choices=("seed", "megatron"),
+                    help="semantic profile")  # fmt: skip
+    group.addoption("--pipemetrics-hypothesis-profile", default=DEFAULT_PROFILE,
+                    choices=PROFILE_NAMES, help="dev, ci or thorough")  # fmt: skip
+    group.addoption("--pipemetrics-max-examples", type=int, default=None, metavar="N")
+    group.addoption("--pipemetrics-skip", default=None, metavar="FILE",
+                    help="property IDs to skip, one per line")  # fmt: skip
+    group.addoption("--pipemetrics-xfail", default=None, metavar="FILE",
+                    help="property IDs expected to fail, one per line")  # fmt: skip
+    group.addoption("--pipemetrics-database", default=None, metavar="DIR",
+                    help="Hypothesis example database ('none' disables it)")  # fmt: skip
+    group.addoption("--pipemetrics-report-dir", default="pipemetrics-report", metavar="DIR")
+
+
+def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
+    from pipemetrics.properties.selection import select
+
+    selection = select(
+        None,
+        config.getoption("--pipemetrics-skip"),
+        config.getoption("--pipemetrics-xfail"),
+    )
+    for text in selection.warnings:
+        warnings.warn(PipemetricsListWarning(text), stacklevel=1)
+    return selection.skip, selection.xfail
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    ours = [item for item in items if item.get_closest_marker("pipemetrics_property")]
+    if not ours:
+        return
+    skip, xfail = _lists(config)
+    for item in ours:
+        marker = item.get_closest_marker("pipemetrics_property")
+        assert marker is not None
+        property_id = marker.args[0]
+        if property_id in skip:
+            item.add_marker(pytest.mark.skip(reason=f"{property_id} is in the skip list"))
+        elif property_id in xfail:
+            item.add_marker(
+                pytest.mark.xfail(reason=f"{property_id} is in the xfail list", strict=False)
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "pipemetrics_property(id): a pipemetrics conformance property test"
+    )
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
+    """The run options every conformance test shares (target resolved once)."""
+    from pathlib import Path
+
+    from pipemetrics.properties.engine import RunOptions
+    from pipemetrics.properties.profiles import get_profile
+    from pipemetrics.properties.runner import DEFAULT_DATABASE, _resolve_target
+    from pipemetrics.sim.scenario import DEFAULT_TARGET
+
+    config = request.config
+    database = config.getoption("--pipemetrics-database") or DEFAULT_DATABASE
+    return RunOptions(
+        target=_resolve_target(config.getoption("--pipemetrics-impl") or DEFAULT_TARGET),
+        semantic=config.getoption("--pipemetrics-profile"),
+        profile=get_profile(config.getoption("--pipemetrics-hypothesis-profile")),
+        max_examples=config.getoption("--pipemetrics-max-examples"),
+        database=database,
+        report_dir=Path(config.getoption("--pipemetrics-report-dir")),
+    )
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_provided(pipemetrics_options: Any) -> set[str]:
+    """The seed API functions the target defines (a load error fails every test)."""
+    from pipemetrics.sim.target import load_target, provided_functions
+
+    return set(provided_functions(load_target(pipemetrics_options.target)))
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
+    """One pool of live worlds per pytest process (per xdist worker)."""
+    from pipemetrics.sim.pool import WorldPool
+
+    with WorldPool(max_ranks=pipemetrics_options.profile.max_ranks) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_coverage() -> Any:
+    from pipemetrics.properties.coverage import Coverage
+
+    return Coverage()

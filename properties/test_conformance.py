@@ -1,0 +1,39 @@
+"""The conformance suite as pytest tests: one test per property ID.
+
+Collected by ``pytest --pyargs pipemetrics.properties --pipemetrics-impl=TARGET`` (fixtures and
+options come from `pipemetrics.properties.plugin`). A property of a function the target does not
+define is skipped as absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pipemetrics.properties.catalogue import CATALOGUE, Property
+from pipemetrics.properties.engine import run_property
+
+
+@pytest.mark.parametrize(
+    "prop",
+    [pytest.param(p, id=p.id, marks=pytest.mark.pipemetrics_property(p.id)) for p in CATALOGUE],
+)
+def test_property(
+    prop: Property,
+    pipemetrics_options: Any,
+    pipemetrics_provided: set[str],
+    pipemetrics_pool: Any,
+    pipemetrics_coverage: Any,
+) -> None:
+    if prop.function not in pipemetrics_provided:
+        pytest.skip(f"absent: the target does not define {prop.function}")
+    result = run_property(prop, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage)
+    if result.status == "pass":
+        return
+    parts = [f"{prop.id} {result.status}: {result.message}"]
+    if result.details:
+        parts.append("what each rank did:\n" + result.details)
+    if result.replay:
+        parts.append(f"reproduce with: {result.replay}")
+    pytest.fail("\n".join(parts), pytrace=False)
