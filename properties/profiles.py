@@ -26,6 +26,8 @@ def _shape(tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1) -> W
 SMALL_SHAPES: tuple[WorldSpec, ...] = (
     _shape(),
     _shape(pp=2),
+    _shape(dp=2),
+    _shape(pp=3),
     _shape(pp=2, dp=2),
     _shape(tp=2, pp=2),
     _shape(pp=2, cp=2),
@@ -35,7 +37,6 @@ SMALL_SHAPES: tuple[WorldSpec, ...] = (
 
 LARGE_SHAPES: tuple[WorldSpec, ...] = (
     *SMALL_SHAPES,
-    _shape(pp=3),
     _shape(dp=2, ep=2),
     _shape(pp=5),
     _shape(pp=3, dp=2),
@@ -80,18 +81,18 @@ class Profile:
 PROFILES: dict[str, Profile] = {
     "dev": Profile(
         "dev",
-        max_examples=8,
-        shapes=SMALL_SHAPES[:4],
+        max_examples=10,
+        shapes=SMALL_SHAPES[:5],
         max_steps=2,
         max_microbatches=2,
         max_layers_per_stage=2,
         deadline_s=15.0,
         shrink_budget_s=20.0,
     ),
-    "ci": Profile("ci", max_examples=30, shapes=SMALL_SHAPES, shrink_budget_s=45.0),
+    "ci": Profile("ci", max_examples=150, shapes=SMALL_SHAPES, shrink_budget_s=45.0),
     "thorough": Profile(
         "thorough",
-        max_examples=200,
+        max_examples=1000,
         shapes=LARGE_SHAPES,
         max_steps=4,
         max_microbatches=4,

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,8 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where failing scenarios are written (default: %(default)s)")
     parser.add_argument("--database", default=DEFAULT_DATABASE, metavar="DIR",
                         help="Hypothesis example database ('none' disables it)")
+    parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
+                        help="cap on shrinking one failure (default: from the profile)")
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
@@ -120,6 +123,8 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
         command += ["--max-examples", str(args.max_examples)]
     if args.seed is not None:
         command += ["--seed", str(args.seed)]
+    if args.shrink_seconds is not None:
+        command += ["--shrink-seconds", str(args.shrink_seconds)]
     return command
 
 
@@ -156,6 +161,8 @@ def _run_workers(
 def run_check(args: argparse.Namespace) -> int:
     try:
         profile = get_profile(args.hypothesis_profile)
+        if args.shrink_seconds is not None:
+            profile = replace(profile, shrink_budget_s=args.shrink_seconds)
         selection: Selection = select(args.only, args.skip, args.xfail)
     except (SelectionError, ValueError, OSError) as exc:
         _err(f"pipemetrics check: {exc}")

@@ -1,0 +1,91 @@
+"""The pytest plugin: ``pytest --pyargs pipemetrics.properties --pipemetrics-impl=TARGET``.
+
+Runs pytest in a subprocess (hard timeout, private TMPDIR, leftover checks as in the runner
+tests), from a directory outside the repository, like an adopter's CI would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.properties.catalogue import PROPERTY_IDS
+
+from .test_properties_runner import _leftovers
+
+
+def run_pytest(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp))
+    env.pop("PYTEST_XDIST_WORKER", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    dirs, pids = _leftovers(tmp)
+    assert not dirs and not pids, f"left behind: {dirs} {pids}"
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_plugin_runs_the_suite_with_lists(tmp_path: Path) -> None:
+    target = tmp_path / "partial.py"
+    target.write_text(
+        "def _round_up_to_multiple(value, multiple):\n"
+        "    return -(-value // multiple) * multiple\n"
+        "def get_aux_loss_track_names(config):\n"
+        "    return ['z_loss', 'load_balancing_loss']\n"
+    )
+    skip = tmp_path / "skip.txt"
+    skip.write_text("# not ours\nround_up.least_multiple\nmoe.no_longer_exists\n")
+    xfail = tmp_path / "xfail.txt"
+    xfail.write_text("track_names.router_parity  # our copy always lists z_loss\n")
+    code, output = run_pytest(
+        tmp_path, "--pyargs", "pipemetrics.properties", f"--pipemetrics-impl={target}",
+        f"--pipemetrics-skip={skip}", f"--pipemetrics-xfail={xfail}",
+        "--pipemetrics-max-examples=20", "--pipemetrics-database=none",
+    )  # fmt: skip
+    assert code == 0, output
+    summary = output.strip().splitlines()[-1]
+    assert "1 xfailed" in summary, output
+    assert f"{len(PROPERTY_IDS) - 1} skipped" in summary, output
+    assert "moe.no_longer_exists" in output  # warning for a stale ID
+
+
+def test_plugin_reports_a_failing_property(tmp_path: Path) -> None:
+    target = tmp_path / "wrong.py"
+    target.write_text("def _round_up_to_multiple(value, multiple):\n    return value\n")
+    code, output = run_pytest(
+        tmp_path, "--pyargs", "pipemetrics.properties", f"--pipemetrics-impl={target}",
+        "--pipemetrics-max-examples=20", "--pipemetrics-database=none",
+        "--pipemetrics-report-dir", str(tmp_path / "report"),
+    )  # fmt: skip
+    assert code == 1, output
+    assert "round_up.least_multiple fail" in output
+    assert "pipemetrics replay" in output
+
+
+def test_plugin_under_xdist_on_the_reference(tmp_path: Path) -> None:
+    pytest.importorskip("xdist")
+    code, output = run_pytest(
+        tmp_path, "--pyargs", "pipemetrics.properties", "-n", "2",
+        "-k", "round_up or track_names or broadcast",
+        "--pipemetrics-hypothesis-profile=dev", "--pipemetrics-max-examples=4",
+        "--pipemetrics-database=none",
+    )  # fmt: skip
+    assert code == 0, output
+    assert "5 passed" in output.strip().splitlines()[-1], output
+
+
+def test_plugin_is_harmless_elsewhere(tmp_path: Path) -> None:
+    (tmp_path / "test_other.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    code, output = run_pytest(tmp_path, "test_other.py")
+    assert code == 0, output
+    assert "1 passed" in output
+    code, output = run_pytest(tmp_path, "--help")
+    assert "--pipemetrics-impl" in output

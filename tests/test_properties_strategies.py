@@ -1,0 +1,173 @@
+"""The conformance suite's strategies: valid scenarios, Megatron-consistent records, rare layouts.
+
+No worlds are started here: scenarios are generated and checked as data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+
+from pipemetrics.properties import strategies as s
+from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
+from pipemetrics.properties.coverage import features
+from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.selection import SelectionError, read_id_list, select
+from pipemetrics.properties.synthetic import moe_slots
+from pipemetrics.sim.calls import BroadcastCall, MoeCall
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.records import ROUTER_REDUCTION
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.topology import places_for
+
+CI = PROFILES["ci"]
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+FIND = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+
+STABLE_IDS = {
+    "round_up.least_multiple",
+    "broadcast.roundtrip",
+    "broadcast.receiver_buffer",
+    "broadcast.errors_everywhere",
+    "track_names.router_parity",
+    "moe.no_hang",
+    "moe.values",
+    "moe.rank_agreement",
+    "moe.names",
+    "moe.per_layer",
+    "moe.loss_scale",
+    "moe.total_loss_dict",
+    "moe.reset",
+    "mtp.no_hang",
+    "mtp.keys",
+    "mtp.loss_scale",
+    "mtp.acceptance_rate",
+    "mtp.reset",
+}
+
+
+def test_stable_ids_are_all_present() -> None:
+    assert STABLE_IDS <= set(PROPERTY_IDS)
+    assert len(PROPERTY_IDS) == len(set(PROPERTY_IDS))
+
+
+@pytest.mark.parametrize("prop", CATALOGUE, ids=[p.id for p in CATALOGUE])
+@pytest.mark.parametrize("semantic", ["seed", "megatron"])
+def test_every_property_generates_valid_scenarios(prop: object, semantic: str) -> None:
+    from pipemetrics.properties.catalogue import Property
+
+    assert isinstance(prop, Property)
+
+    @FAST
+    @given(prop.scenarios(CI, semantic))  # type: ignore[arg-type]
+    def check(scenario: Scenario) -> None:
+        again = Scenario.model_validate_json(scenario.model_dump_json())
+        assert again == scenario
+        assert scenario.setup.world in CI.shapes or scenario.setup.world.world_size == 1
+        for step in scenario.steps:
+            for call in step.calls:
+                assert call.function == prop.function
+                if isinstance(call, MoeCall):
+                    layout = scenario.setup.layout
+                    assert call.track_names == layout.live_track_names
+                    assert (call.num_moe_layers is not None) == (semantic == "megatron")
+
+    check()
+
+
+def _check_records(setup: Setup, records: object) -> None:
+    from pipemetrics.sim.records import StepRecords
+
+    assert isinstance(records, StepRecords)
+    layout = setup.layout
+    places = places_for(setup.world)
+    for rank, place in places.items():
+        moe = records.moe.get(rank, [])
+        slots = moe_slots(setup, place.pp_rank)
+        names = layout.live_track_names
+        assert len(moe) == layout.microbatches * len(slots) * len(names)
+        for rec in moe:
+            assert rec.num_layers == layout.track_length
+            assert rec.layer_number in slots
+            assert (rec.reduce, rec.avg, rec.needs_dp_avg) == ROUTER_REDUCTION[rec.name]
+            assert rec.value >= 0.0 and rec.value <= 1e30
+        mtp = records.mtp.get(rank, [])
+        if place.pp_rank == setup.world.pp - 1:
+            assert len(mtp) == layout.microbatches * layout.mtp_num_layers
+            assert all(0 <= r.layer_number < layout.mtp_num_layers for r in mtp)
+            assert all(r.avg == "dp_cp" and r.reduce is None for r in mtp)
+        else:
+            assert mtp == []
+
+
+@FAST
+@given(st.data())
+def test_synthetic_records_are_consistent_with_megatron(data: st.DataObject) -> None:
+    setup = data.draw(s.setups(CI))
+    _check_records(setup, data.draw(s.synthetic_records(setup)))
+
+
+@FAST
+@given(s.worlds(max_size=8))
+def test_worlds_respect_the_size_limit(world: object) -> None:
+    from pipemetrics.sim.layout import WorldSpec
+
+    assert isinstance(world, WorldSpec)
+    assert 1 <= world.world_size <= 8
+
+
+@FAST
+@given(s.broadcast_scenarios(CI, "invalid"))
+def test_invalid_broadcasts_have_an_invalid_input(scenario: Scenario) -> None:
+    assert "source_none" in features(scenario) or "invalid_buffer" in features(scenario)
+
+
+@FAST
+@given(s.broadcast_scenarios(CI, "buffers"))
+def test_buffer_broadcasts_give_every_receiver_a_valid_buffer(scenario: Scenario) -> None:
+    for call in scenario.steps[0].calls:
+        assert isinstance(call, BroadcastCall)
+        receivers = set(range(scenario.setup.world.world_size)) - {call.src_rank}
+        assert set(call.buffers) == receivers
+        assert all(b.shape == call.shape and b.dtype == call.dtype for b in call.buffers.values())
+
+
+RARE_SETUPS = {
+    "stage_without_moe": lambda su: any(not su.records_moe(p) for p in range(su.world.pp)),
+    "mtp_on_last_stage": lambda su: su.layout.mtp_num_layers > 0 and su.world.pp > 1,
+    "num_layers_eq_pp": lambda su: su.layout.num_layers == su.world.pp > 1,
+    "one_layer_stage": lambda su: 1 in su.layers_per_stage and su.world.pp > 1,
+    "uneven_split": lambda su: len(set(su.layers_per_stage)) > 1,
+    "routing_list": lambda su: isinstance(su.layout.routing_type, list),
+    "z_loss_zero": lambda su: su.layout.z_loss_coeff == 0.0,
+    "four_ranks": lambda su: su.world.world_size == 4,
+}
+
+
+@pytest.mark.parametrize("name", sorted(RARE_SETUPS))
+def test_rare_layouts_are_generated(name: str) -> None:
+    found = find(s.setups(CI), RARE_SETUPS[name], settings=FIND)
+    assert RARE_SETUPS[name](found)
+
+
+def test_thorough_profile_reaches_eight_ranks() -> None:
+    thorough = PROFILES["thorough"]
+    assert {w.world_size for w in thorough.shapes} == set(range(1, 9))
+    assert max(w.world_size for w in CI.shapes) <= 4
+
+
+def test_id_lists(tmp_path: Path) -> None:
+    listing = tmp_path / "xfail.txt"
+    listing.write_text("# adopter's list\nmoe.values  # known bug\n\nmtp.gone\nbroadcast.*\n")
+    assert read_id_list(listing) == ["moe.values", "mtp.gone", "broadcast.*"]
+    selection = select(None, None, str(listing))
+    assert "moe.values" in selection.xfail and "broadcast.roundtrip" in selection.xfail
+    assert any("mtp.gone" in w for w in selection.warnings)
+    with pytest.raises(SelectionError):
+        select(["moe.nope"])
+    assert [p.id for p in select(["mtp"]).properties] == [
+        p for p in PROPERTY_IDS if p.startswith("mtp.")
+    ]
