@@ -1,4 +1,4 @@
-"""The ``pipemetrics`` command: check, replay, demo.
+"""The ``pipemetrics`` command: check, replay, demo, bench, vendor.
 
 Each subcommand lives in its own module; this file only parses arguments and maps outcomes to
 exit codes (0 success, 1 a failing verdict, 2 usage or load errors). SIGTERM is turned into a
@@ -44,6 +44,16 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="4 gloo ranks, first stage without MoE, MTP on the last stage"
     )
     demo.add_argument("--impl", default=None, help="implementation to demonstrate")
+
+    bench = sub.add_parser(
+        "bench", help="throughput, hang-verdict latency and start-up, side by side"
+    )
+    from pipemetrics.sim.bench import add_bench_arguments
+
+    add_bench_arguments(bench)
+
+    vendor = sub.add_parser("vendor", help="write the reference as one file to vendor")
+    vendor.add_argument("dest", help="file (or directory) to write the reference module to")
     return parser
 
 
@@ -58,6 +68,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pipemetrics.sim.replay import replay_main
 
         return replay_main(args.scenario, impl=args.impl, raw=args.raw, json_out=args.json_out)
+    if args.command == "bench":
+        from pipemetrics.sim.bench import run_bench
+
+        return run_bench(args)
+    if args.command == "vendor":
+        from pipemetrics.properties.vendor import vendor_main
+
+        return vendor_main(args.dest)
     from pipemetrics.sim.demo import demo_main
 
     return demo_main(impl=args.impl)
