@@ -8,8 +8,11 @@ clean shutdown so that every world the command started is ended and removed.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 
@@ -18,8 +21,25 @@ EXIT_FAIL = 1
 EXIT_USAGE = 2
 
 
+PARENT_POLL_S = 0.2
+
+
 def _terminate(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
+
+
+def _exit_with_parent() -> None:
+    """End this command (cleanly, through SIGTERM) if the process that started it dies."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_POLL_S)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="pipemetrics-parent-watch", daemon=True).start()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +78,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Importing megatron.core creates torch.compile's cache under the temp dir unless told
+    # otherwise: keep it a persistent cache instead of litter (before anything imports torch).
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
+    )
     signal.signal(signal.SIGTERM, _terminate)
+    _exit_with_parent()
     args = _parser().parse_args(argv)
     if args.command == "check":
         from pipemetrics.properties.runner import run_check

@@ -91,10 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reports = [d for d in everyone if d is not None]
         run = WorldRun(
             verdict=_verdict(reports),
-            ranks={
-                d.rank: RankResult(place=places[d.rank], done=d)
-                for d in reports
-            },
+            ranks={d.rank: RankResult(place=places[d.rank], done=d) for d in reports},
             seconds=0.0,
             reusable=False,
         )

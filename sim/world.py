@@ -23,7 +23,7 @@ import weakref
 from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -119,7 +119,15 @@ def _kill_all(pids: list[int], directory: str) -> None:
 class World:
     """A live world of ``spec.world_size`` rank processes. Use as a context manager."""
 
-    def __init__(self, spec: WorldSpec, *, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        spec: WorldSpec,
+        *,
+        start_timeout_s: float = 300.0,
+        start_method: Literal["forkserver", "spawn"] = "forkserver",
+    ) -> None:
+        """``start_method="spawn"``: plain spawned ranks that import torch and megatron-core
+        themselves (no preloading), the baseline `pipemetrics bench` compares against."""
         if spec.backend != "gloo":
             import torch
 
@@ -130,6 +138,7 @@ class World:
                 )
         self.spec = spec
         self.start_timeout_s = start_timeout_s
+        self.start_method = start_method
         self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-")
         self.places: dict[int, RankPlace] = {}
         self.startup_s = 0.0
@@ -164,14 +173,16 @@ class World:
         from pipemetrics.sim.rank import rank_main
 
         began = time.monotonic()
-        context = fork_context()
-        forkserver.ensure_running()
+        spawned = self.start_method == "spawn"
+        context = multiprocessing.get_context("spawn") if spawned else fork_context()
+        if not spawned:
+            forkserver.ensure_running()
         leftovers = [self.directory, *_forkserver_directory()]
         spec_json = self.spec.model_dump_json()
         try:
             for rank in range(self.spec.world_size):
                 ours, theirs = context.Pipe(duplex=True)
-                proc = _RankProcess(
+                proc = (context.Process if spawned else _RankProcess)(
                     target=rank_main,
                     args=(rank, spec_json, self.directory, theirs, os.getpid(), leftovers),
                     name=f"pipemetrics-rank{rank}",

@@ -343,7 +343,15 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
     path = save_scenario(scenario_for(target), tmp_path / "scenario.json")
     out = tmp_path / "run.json"
     result = subprocess.run(
-        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path), "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "pipemetrics.properties.cli",
+            "replay",
+            str(path),
+            "--json",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -352,8 +360,15 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
     assert "verdict: deadlock" in result.stdout
     assert json.loads(out.read_text())["verdict"]["kind"] == "deadlock"
     fixed = subprocess.run(
-        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path), "--impl",
-         "pipemetrics.reference"],
+        [
+            sys.executable,
+            "-m",
+            "pipemetrics.properties.cli",
+            "replay",
+            str(path),
+            "--impl",
+            "pipemetrics.reference",
+        ],
         capture_output=True,
         text=True,
         timeout=180,
@@ -388,8 +403,15 @@ def test_torchrun_runs_the_same_scenario(tmp_path: Path) -> None:
     path = save_scenario(scenario, tmp_path / "scenario.json")
     torchrun = Path(sys.executable).with_name("torchrun")
     result = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m",
-         "pipemetrics.sim.torchrun", str(path)],
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "pipemetrics.sim.torchrun",
+            str(path),
+        ],
         capture_output=True,
         text=True,
         timeout=240,
