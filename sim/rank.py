@@ -20,7 +20,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from types import ModuleType, SimpleNamespace
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -260,7 +260,9 @@ class RankServer:
         if isinstance(spec, BroadcastCall):
             return self._broadcast_arguments(spec)
         if isinstance(spec, TrackNamesCall):
-            return {"model_config": model_config_of(setup)}
+            from pipemetrics.sim.router_fill import build_transformer_config
+
+            return {"model_config": build_transformer_config(setup)}
         return {"value": spec.value, "multiple": spec.multiple}
 
     def _broadcast_arguments(self, spec: BroadcastCall) -> dict[str, Any]:
@@ -285,21 +287,6 @@ class RankServer:
             return function(arguments["model_config"])
         assert isinstance(spec, RoundUpCall)
         return function(arguments["value"], arguments["multiple"])
-
-
-def model_config_of(setup: Setup) -> Any:
-    """The config attributes ``get_aux_loss_track_names`` reads, as Megatron's config has them."""
-    layout = setup.layout
-    return SimpleNamespace(
-        num_layers=layout.num_layers,
-        mtp_num_layers=layout.mtp_num_layers or None,
-        num_moe_experts=layout.num_experts,
-        moe_router_topk=layout.topk,
-        moe_router_load_balancing_type=layout.routing_type,
-        moe_aux_loss_coeff=layout.aux_loss_coeff,
-        moe_z_loss_coeff=layout.z_loss_coeff,
-        moe_layer_freq=layout.moe_layer_freq,
-    )
 
 
 def _error(exc: BaseException) -> CallError:

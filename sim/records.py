@@ -97,3 +97,20 @@ ROUTER_REDUCTION: dict[str, tuple[str | None, str | None, bool]] = {
     "z_loss": (None, "tp_dp_cp", True),
 }
 """(reduce group, avg group, needs_dp_avg) that megatron-core 0.19's router passes per name."""
+
+
+def router_record(name: str, layer_number: int, value: float, num_layers: int) -> MoeRecord:
+    """A record of ``name`` with the groups megatron-core's router passes for it.
+
+    Names the router does not know reduce like a fresh ``MetricEntry``: no groups, dp average.
+    """
+    reduce, avg, needs_dp_avg = ROUTER_REDUCTION.get(name, (None, None, True))
+    return MoeRecord(
+        name=name,
+        layer_number=layer_number,
+        value=value,
+        num_layers=num_layers,
+        reduce=reduce,
+        avg=avg,
+        needs_dp_avg=needs_dp_avg,
+    )

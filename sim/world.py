@@ -33,7 +33,7 @@ from pipemetrics.sim.protocol import Abort, Call, Done, Go, Ready, Shutdown, Tas
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 
-PRELOAD = ["pipemetrics.sim.rank"]
+PRELOAD = ["pipemetrics.sim.rank", "pipemetrics.sim.router_fill"]
 UNWIND_GRACE_S = 5.0
 """How long ranks get to unwind after a verdict before the world is declared dirty and killed."""
 STACK_DUMP_WAIT_S = 0.3

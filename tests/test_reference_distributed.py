@@ -11,26 +11,14 @@ import pytest
 
 from pipemetrics.sim.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, MtpRecord, StepRecords
+from pipemetrics.sim.records import MtpRecord, StepRecords
+from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import CallSpec, Scenario, Step
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
 
 DEADLINE_S = 60.0
-
-
-def moe(name: str, layer: int, value: float, num_layers: int) -> MoeRecord:
-    reduce, avg, dp_avg = ROUTER_REDUCTION[name]
-    return MoeRecord(
-        name=name,
-        layer_number=layer,
-        value=value,
-        num_layers=num_layers,
-        reduce=reduce,
-        avg=avg,
-        needs_dp_avg=dp_avg,
-    )
 
 
 def run(

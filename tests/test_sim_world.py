@@ -20,7 +20,7 @@ import pytest
 
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords
+from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.summary import run_passed
 
@@ -270,19 +270,10 @@ def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> No
             for rank in range(world.world_size):
                 chosen = rng.sample(names, rng.randrange(0, len(names) + 1))
                 per_rank[rank] = []
-                for name in chosen:
-                    reduce, avg, dp_avg = ROUTER_REDUCTION[name]
-                    per_rank[rank].append(
-                        MoeRecord(
-                            name=name,
-                            layer_number=rng.randrange(1, length + 1),
-                            value=rng.uniform(-10, 10),
-                            num_layers=length,
-                            reduce=reduce,
-                            avg=avg,
-                            needs_dp_avg=dp_avg,
-                        )
-                    )
+                per_rank[rank] += [
+                    router_record(name, rng.randrange(1, length + 1), rng.uniform(-10, 10), length)
+                    for name in chosen
+                ]
             scenario = Scenario(
                 setup=Setup(world=world, layout=ModelLayout(num_layers=4)),
                 steps=[Step(records=StepRecords(moe=per_rank), calls=[MoeCall(loss_scale=0.25)])],
