@@ -86,6 +86,21 @@ class Coordinator:
             return []
         return self._progress(at)
 
+    def on_broken_collective(self, call: CollectiveCall, error: str, at: float) -> None:
+        """A rank raised inside a collective its peers were released into.
+
+        The peers are now inside the real backend waiting for a partner that left: a hang the
+        coordinator can no longer unwind, so the world must be killed.
+        """
+        if self.verdict is None:
+            self._decide(
+                "deadlock",
+                f"deadlock: rank {call.rank} raised inside {call.describe()} after its peers "
+                f"entered it ({error}); they are stuck in the real backend. Call site: "
+                f"{call.call_site[0] if call.call_site else 'unknown'}. " + self._everyone(),
+                at,
+            )
+
     def on_crash(self, rank: int, exitcode: int | None, at: float) -> None:
         self.dead[rank] = exitcode
         if self.verdict is None:

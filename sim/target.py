@@ -2,14 +2,16 @@
 
 A target is a dotted module name (``pipemetrics.reference``, ``mytrainer.megatron.common``) or a
 path to a ``.py`` file. Each scenario gets a freshly executed module object, so module-level
-caches of the implementation cannot leak from one example into the next.
+caches of the implementation cannot leak from one example into the next (for a package, the
+package's ``__init__`` is re-executed; its submodules stay imported).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
-import uuid
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -33,11 +35,17 @@ def is_path_target(target: str) -> bool:
 
 
 def load_target(target: str) -> ModuleType:
-    """Execute the target module afresh and return it (never cached in ``sys.modules``)."""
+    """Execute the target module afresh and return it.
+
+    The fresh module replaces any earlier one in ``sys.modules`` under a name that is the same in
+    every rank (the dotted name, or one derived from the file's path), so objects of classes it
+    defines can be pickled between ranks (``all_gather_object`` of a dataclass, say).
+    """
     try:
         spec = _spec_for(target)
         module = importlib.util.module_from_spec(spec)
         assert spec.loader is not None
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     except TargetLoadError:
         raise
@@ -54,7 +62,7 @@ def _spec_for(target: str) -> importlib.machinery.ModuleSpec:
         if not path.is_file():
             raise TargetLoadError(f"target file {target!r} does not exist")
         spec = importlib.util.spec_from_file_location(
-            f"pipemetrics_target_{path.stem}_{uuid.uuid4().hex[:12]}", path
+            f"pipemetrics_target_{path.stem}_{hashlib.sha1(bytes(path)).hexdigest()[:12]}", path
         )
     else:
         try:

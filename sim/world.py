@@ -29,7 +29,7 @@ from pydantic import Field
 
 from pipemetrics.sim.coordinator import Coordinator, Verdict
 from pipemetrics.sim.layout import Frozen, WorldSpec
-from pipemetrics.sim.protocol import Abort, Call, Done, Go, Ready, Shutdown, Task
+from pipemetrics.sim.protocol import Abort, Call, CollectiveCall, Done, Go, Ready, Shutdown, Task
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 
@@ -104,6 +104,17 @@ class _RankPopen(popen_forkserver.Popen):
 
 class _RankProcess(multiprocessing.context.ForkServerProcess):
     _Popen = staticmethod(_RankPopen)
+
+
+def _broken_collective(done: Done) -> tuple[CollectiveCall, str] | None:
+    """The collective a rank raised inside of, with the error, if any."""
+    for report in done.reports:
+        for call in report.collectives:
+            if call.outcome == "failed":
+                error = report.error
+                what = f"{error.type}: {error.message}" if error else "an exception"
+                return call, what
+    return None
 
 
 def _kill_all(pids: list[int], directory: str) -> None:
@@ -341,6 +352,9 @@ class World:
                 unwind_until = time.monotonic() + UNWIND_GRACE_S
                 for rank in coordinator.pending:
                     self._send(rank, Abort(reason=coordinator.verdict.message))
+                if any(_broken_collective(d) for d in done.values()):
+                    dirty = True  # peers sit inside the real backend: nothing to wait for
+                    break
                 if coordinator.dead:
                     dirty = True
         return done, dirty
@@ -356,6 +370,11 @@ class World:
                 self._send(released, Go())
         elif isinstance(message, Done):
             done[rank] = message
+            broken = _broken_collective(message)
+            if broken is not None:
+                coordinator.on_done(rank, time.monotonic())
+                coordinator.on_broken_collective(*broken, time.monotonic())
+                return
             for released in coordinator.on_done(rank, time.monotonic()):
                 self._send(released, Go())
 

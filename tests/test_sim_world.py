@@ -410,3 +410,48 @@ def test_torchrun_runs_the_same_scenario(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "oracle: every judged value matches" in result.stdout
+
+
+def test_raising_inside_a_released_collective_is_diagnosed_not_timed_out(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "unpicklable",
+        """
+        import torch.distributed as dist
+        def get_moe_metrics(loss_scale, **_):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, (lambda: 1) if dist.get_rank() == 0 else 1)
+            return {}
+        """,
+    )
+    began = time.monotonic()
+    run = pool.run(scenario_for(target, deadline_s=60.0))
+    assert time.monotonic() - began < 30, "must not wait for the deadline"
+    assert run.verdict.kind == "deadlock", run.verdict.message
+    assert "rank 0 raised inside all_gather_object" in run.verdict.message
+    assert not run.reusable
+
+
+def test_classes_defined_in_a_path_target_pickle_between_ranks(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    target = write_target(
+        tmp_path,
+        "dataclass_meta",
+        """
+        import dataclasses, torch.distributed as dist
+        @dataclasses.dataclass
+        class Meta:
+            rank: int
+        def get_moe_metrics(loss_scale, **_):
+            out = [None] * dist.get_world_size()
+            dist.all_gather_object(out, Meta(dist.get_rank()))
+            return {"ranks": float(sum(m.rank for m in out))}
+        """,
+    )
+    run = pool.run(scenario_for(target))
+    assert run.verdict.kind == "ok", run.verdict.message
+    for result in run.ranks.values():
+        assert result.done is not None and result.done.reports[0].value == {"ranks": 1.0}
