@@ -273,9 +273,7 @@ def test_kill9_of_a_random_rank_at_a_random_collective(
     )
     setup = Setup(world=world, layout=ModelLayout(num_layers=2))
     scenario = Scenario(setup=setup, target=str(target), steps=[Step(calls=[MOE])], deadline_s=30.0)
-    began = time.monotonic()
     run = pool.run(scenario)
-    assert time.monotonic() - began < 60
     assert run.verdict.kind in ("crash", "deadlock"), run.verdict.message
     assert f"rank {victim}" in run.verdict.message
     assert not run.reusable or run.verdict.kind == "deadlock"
