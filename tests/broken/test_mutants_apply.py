@@ -471,6 +471,15 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
 }
 
 
+def _observe(check: Check, module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Any:
+    destroy_moe_metrics_tracker()
+    MTPLossLoggingHelper.tracker = {}
+    try:
+        return check(module, monkeypatch)
+    finally:
+        monkeypatch.undo()
+
+
 def test_every_mutant_has_a_behaviour_check() -> None:
     assert sorted(BEHAVIOUR) == sorted(MUTANTS)
 
@@ -480,15 +489,11 @@ def test_mutant_changes_behaviour(
     name: str, modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     check, expected_reference, expected_mutant = BEHAVIOUR[name]
-    observed = {}
-    for label in ("reference", name):
-        destroy_moe_metrics_tracker()
-        MTPLossLoggingHelper.tracker = {}
-        observed[label] = check(modules[label], monkeypatch)
-        monkeypatch.undo()
-    assert observed["reference"] == expected_reference
-    assert observed[name] == expected_mutant
-    assert observed[name] != observed["reference"]
+    reference = _observe(check, modules["reference"], monkeypatch)
+    mutant = _observe(check, modules[name], monkeypatch)
+    assert reference == expected_reference
+    assert mutant == expected_mutant
+    assert mutant != reference
 
 
 #: Pairs of mutants whose bug also shows in the other's situation: a stage that recorded
@@ -496,15 +501,6 @@ def test_mutant_changes_behaviour(
 OVERLAPS: frozenset[frozenset[str]] = frozenset(
     {frozenset({"moe_preinit_without_mtp", "moe_empty_stage_returns_early"})}
 )
-
-
-def _observe(check: Check, module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Any:
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
-    try:
-        return check(module, monkeypatch)
-    finally:
-        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
