@@ -52,7 +52,11 @@ def layout_features(setup: Setup) -> list[str]:
         found.append("uneven_split")
     if isinstance(layout.routing_type, list):
         found.append("routing_list")
-    coeffs = layout.aux_loss_coeff if isinstance(layout.aux_loss_coeff, list) else [layout.aux_loss_coeff]
+    coeffs = (
+        layout.aux_loss_coeff
+        if isinstance(layout.aux_loss_coeff, list)
+        else [layout.aux_loss_coeff]
+    )
     if 0.0 in coeffs:
         found.append("zero_coefficient")
     if layout.z_loss_coeff is not None:

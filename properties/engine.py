@@ -106,12 +106,12 @@ def shrink_budget(seconds: float) -> Any:
 
     original = getattr(engine, "MAX_SHRINKING_SECONDS", None)
     if original is not None:
-        engine.MAX_SHRINKING_SECONDS = int(seconds)  # type: ignore[misc]
+        engine.MAX_SHRINKING_SECONDS = int(seconds)
     try:
         yield
     finally:
         if original is not None:
-            engine.MAX_SHRINKING_SECONDS = original  # type: ignore[misc]
+            engine.MAX_SHRINKING_SECONDS = original
 
 
 def _example_runner(
@@ -162,7 +162,7 @@ def run_property(
     test = hypothesis_settings(
         profile,
         profile.examples_for(prop.id, options.max_examples),
-        database=make_database(options.database),
+        database=None if options.seed is not None else make_database(options.database),
     )(test)
     if options.seed is not None:
         test = hypothesis_seed(options.seed)(test)

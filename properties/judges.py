@@ -98,8 +98,12 @@ def _keyed(
         return [f"returned {short(actual)} (a {type(actual).__name__}), not a dict"]
     exp = {k: v for k, v in expected.items() if keep(k)}
     act = {k: v for k, v in actual.items() if isinstance(k, str) and keep(k)}
-    problems = [f"missing {what} key {k!r} (expected {v!r})" for k, v in exp.items() if k not in act]
-    problems += [f"unexpected {what} key {k!r} = {short(v)}" for k, v in act.items() if k not in exp]
+    problems = [
+        f"missing {what} key {k!r} (expected {v!r})" for k, v in exp.items() if k not in act
+    ]
+    problems += [
+        f"unexpected {what} key {k!r} = {short(v)}" for k, v in act.items() if k not in exp
+    ]
     for key, value in exp.items():
         if key in act:
             diff = oracle.value_difference(key, value, act[key])
@@ -117,7 +121,10 @@ def _is_per_layer(key: str) -> bool:
 
 
 def _per_rank(
-    scenario: Scenario, run: WorldRun, kind: type, check: Callable[[CallView, dict[str, float], Any], list[str]]
+    scenario: Scenario,
+    run: WorldRun,
+    kind: type,
+    check: Callable[[CallView, dict[str, float], Any], list[str]],
 ) -> list[str]:
     problems = []
     for view, expected in _views(scenario, run, kind):
@@ -150,7 +157,9 @@ def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
     def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
         expected = {k for k in exp if _is_mean(k)}
         if scenario.mode == "synthetic" and expected != live:
-            raise HarnessFault(f"oracle names {sorted(expected)} differ from live names {sorted(live)}")
+            raise HarnessFault(
+                f"oracle names {sorted(expected)} differ from live names {sorted(live)}"
+            )
         if not isinstance(act, dict):
             return [f"returned {short(act)}, not a dict"]
         got = {k for k in act if _is_mean(str(k))}
@@ -175,7 +184,9 @@ def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
 @_guarded
 def moe_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Means and per-layer values equal the oracle's (router mode: megatron's own records)."""
-    return _per_rank(scenario, run, MoeCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, ""))
+    return _per_rank(
+        scenario, run, MoeCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, "")
+    )
 
 
 def _scale_hint(spec: MoeCall | MtpCall, exp: float, act: Any) -> str:
@@ -189,7 +200,9 @@ def _scale_hint(spec: MoeCall | MtpCall, exp: float, act: Any) -> str:
     return ""
 
 
-def _scaled_check(keep: Callable[[str], bool]) -> Callable[[CallView, dict[str, float], Any], list[str]]:
+def _scaled_check(
+    keep: Callable[[str], bool],
+) -> Callable[[CallView, dict[str, float], Any], list[str]]:
     def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
         if not isinstance(act, dict):
             return [f"returned {short(act)}, not a dict"]
@@ -368,7 +381,9 @@ def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
                     problems.append(f"{_where(view, rank)}: {line}")
     if problems:
         return problems
-    return _per_rank(scenario, run, MtpCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, ""))
+    return _per_rank(
+        scenario, run, MtpCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, "")
+    )
 
 
 # -- broadcast ---------------------------------------------------------------------------------
@@ -391,7 +406,9 @@ def _tensor_problems(spec: BroadcastCall, value: Any, want: dict[str, Any]) -> l
     if list(got["shape"]) != list(spec.shape):
         problems.append(f"shape {got['shape']}, expected {spec.shape}")
     if not problems and got["values"] != want["values"]:
-        problems.append(f"values {short(got['values'], 200)}, expected {short(want['values'], 200)}")
+        problems.append(
+            f"values {short(got['values'], 200)}, expected {short(want['values'], 200)}"
+        )
     return problems
 
 
@@ -414,12 +431,12 @@ def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
         assert isinstance(view.spec, BroadcastCall)
         for rank, report in sorted(view.reports.items()):
             value = report.value
-            if rank in view.spec.buffers and isinstance(value, dict) and "__tensor__" in value:
-                if not value["__tensor__"].get("is_buffer"):
-                    problems.append(
-                        f"call {view.index} rank {rank}: returned a new tensor instead of the "
-                        "buffer it passed (the buffer is not used for the broadcast)"
-                    )
+            is_tensor = isinstance(value, dict) and "__tensor__" in value
+            if rank in view.spec.buffers and is_tensor and not value["__tensor__"].get("is_buffer"):
+                problems.append(
+                    f"call {view.index} rank {rank}: returned a new tensor instead of the "
+                    "buffer it passed (the buffer is not used for the broadcast)"
+                )
     return problems
 
 

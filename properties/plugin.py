@@ -20,7 +20,11 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.properties.profiles import DEFAULT_PROFILE, PROFILE_NAMES, register_hypothesis_profiles
+from pipemetrics.properties.profiles import (
+    DEFAULT_PROFILE,
+    PROFILE_NAMES,
+    register_hypothesis_profiles,
+)
 
 register_hypothesis_profiles()
 

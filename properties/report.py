@@ -59,9 +59,7 @@ def write_junit(path: str, target: str, results: list[PropertyResult]) -> None:
             node.text = "\n".join(x for x in (r.message, r.details) if x)
         elif r.status in ("absent", "skipped"):
             ET.SubElement(case, "skipped", message=r.message or r.status)
-    ET.SubElement(suite, "properties").append(
-        ET.Element("property", name="target", value=target)
-    )
+    ET.SubElement(suite, "properties").append(ET.Element("property", name="target", value=target))
     ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
@@ -107,7 +105,9 @@ def print_failures(results: list[PropertyResult], out: TextIO) -> None:
     for r in results:
         if r.status not in ("fail", "error"):
             continue
-        out.write(f"\n=== {r.status.upper()}: {r.id} ({r.function}){' [xfail]' if r.xfail else ''}\n")
+        out.write(
+            f"\n=== {r.status.upper()}: {r.id} ({r.function}){' [xfail]' if r.xfail else ''}\n"
+        )
         out.write(f"{r.message}\n")
         if r.counterexample is not None:
             out.write("minimal counterexample:\n")
@@ -122,7 +122,12 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
     out.write(f"\ncoverage over {coverage.get('scenarios', 0)} scenarios: ")
     out.write(f"world sizes {coverage.get('world_sizes', [])}\n")
     counts = coverage.get("counts", {})
-    rare = ", ".join(f"{k}={v}" for k, v in counts.items() if not k.startswith(("shape=", "world_size=")))
+    rare = ", ".join(
+        f"{k}={v}" for k, v in counts.items() if not k.startswith(("shape=", "world_size="))
+    )
     out.write(f"  {rare}\n")
     if coverage.get("never_seen"):
-        out.write(f"  WARNING: never generated: {', '.join(coverage['never_seen'])}\n")
+        out.write(
+            f"  WARNING: never generated (by the properties that ran): "
+            f"{', '.join(coverage['never_seen'])}\n"
+        )

@@ -53,26 +53,64 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", choices=SEMANTIC_PROFILES, default="seed",
                         help="semantic profile: seed (mean over tracker entries) or megatron "
                         "(mean over MoE layers, as Megatron's report())")  # fmt: skip
-    parser.add_argument("--max-examples", type=int, default=None, metavar="N",
-                        help="examples per property (default: from the Hypothesis profile)")
-    parser.add_argument("--seed", type=int, default=None, metavar="S",
-                        help="derandomise Hypothesis with this seed")
+    parser.add_argument(
+        "--max-examples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="examples per property (default: from the Hypothesis profile)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="derandomise Hypothesis with this seed (the example database is not used then)",
+    )
     parser.add_argument("--json", dest="json_out", default=None, metavar="FILE")
     parser.add_argument("--junit", default=None, metavar="FILE")
-    parser.add_argument("-n", "--workers", type=int, default=1, metavar="WORKERS",
-                        help="run properties in this many worker processes")
+    parser.add_argument(
+        "-n",
+        "--workers",
+        type=int,
+        default=1,
+        metavar="WORKERS",
+        help="run properties in this many worker processes",
+    )
     parser.add_argument("--hypothesis-profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE)
     parser.add_argument("--skip", default=None, metavar="FILE", help="property IDs not to run")
-    parser.add_argument("--xfail", default=None, metavar="FILE",
-                        help="property IDs expected to fail (do not break conformance)")
-    parser.add_argument("--only", nargs="+", default=None, metavar="ID",
-                        help="run only these property IDs (or families: moe, mtp.*)")
-    parser.add_argument("--report-dir", default="pipemetrics-report", metavar="DIR",
-                        help="where failing scenarios are written (default: %(default)s)")
-    parser.add_argument("--database", default=DEFAULT_DATABASE, metavar="DIR",
-                        help="Hypothesis example database ('none' disables it)")
-    parser.add_argument("--shrink-seconds", type=float, default=None, metavar="S",
-                        help="cap on shrinking one failure (default: from the profile)")
+    parser.add_argument(
+        "--xfail",
+        default=None,
+        metavar="FILE",
+        help="property IDs expected to fail (do not break conformance)",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="ID",
+        help="run only these property IDs (or families: moe, mtp.*)",
+    )
+    parser.add_argument(
+        "--report-dir",
+        default="pipemetrics-report",
+        metavar="DIR",
+        help="where failing scenarios are written (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--database",
+        default=DEFAULT_DATABASE,
+        metavar="DIR",
+        help="Hypothesis example database ('none' disables it)",
+    )
+    parser.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="cap on shrinking one failure (default: from the profile)",
+    )
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
@@ -193,7 +231,9 @@ def run_check(args: argparse.Namespace) -> int:
     todo = []
     for prop in selection.properties:
         if prop.function not in provided:
-            results[prop.id] = _not_run(prop, "absent", f"the target does not define {prop.function}")
+            results[prop.id] = _not_run(
+                prop, "absent", f"the target does not define {prop.function}"
+            )
         elif prop.id in selection.skip:
             results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")
         else:

@@ -57,7 +57,8 @@ def world_problems(run: WorldRun) -> list[str]:
             err = result.done.load_error
             return [f"rank {rank} could not load the target: {err.type}: {err.message}"]
     if verdict.kind != "ok":
-        return [f"{verdict.kind}: {verdict.message}"]
+        prefix = "" if verdict.message.startswith(verdict.kind) else f"{verdict.kind}: "
+        return [prefix + verdict.message]
     return []
 
 

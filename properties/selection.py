@@ -68,7 +68,11 @@ def select(
             )
         wanted = {hit for pid in only for hit in expand(pid)}
         chosen = [pid for pid in chosen if pid in wanted]
-    skip = _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings) if skip_file else set()
+    skip = (
+        _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings)
+        if skip_file
+        else set()
+    )
     xfail = (
         _matched(read_id_list(xfail_file), f"xfail list {xfail_file}", warnings)
         if xfail_file

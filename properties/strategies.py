@@ -76,7 +76,9 @@ def worlds(draw: st.DrawFn, max_size: int = 8) -> WorldSpec:
     for axis in draw(st.permutations(list(sizes))):
         sizes[axis] = draw(st.integers(1, max(1, left)))
         left //= sizes[axis]
-    divisors = [e for e in range(1, sizes["dp"] * sizes["cp"] + 1) if sizes["dp"] * sizes["cp"] % e == 0]
+    divisors = [
+        e for e in range(1, sizes["dp"] * sizes["cp"] + 1) if sizes["dp"] * sizes["cp"] % e == 0
+    ]
     ep = draw(st.sampled_from(divisors))
     return WorldSpec(ep=ep, **sizes)
 
@@ -141,7 +143,9 @@ def routing_configs(
         if routing == "sinkhorn":
             coeff = 0.0
     else:
-        listed = draw(st.lists(st.sampled_from(list(AUX_LOSS_TYPES)), min_size=1, max_size=3, unique=True))
+        listed = draw(
+            st.lists(st.sampled_from(list(AUX_LOSS_TYPES)), min_size=1, max_size=3, unique=True)
+        )
         routing = listed
         coeff = [draw(COEFFICIENTS) for _ in listed]
     z = draw(st.sampled_from([None, 0.0, 1e-3])) if z_loss else None
@@ -169,7 +173,7 @@ def layouts(
         mtp_num_layers=draw(st.integers(min_mtp, max_mtp)),
         mtp_is_moe=draw(st.booleans()),
         microbatches=draw(st.integers(1, max_microbatches)),
-        **config,  # type: ignore[arg-type]
+        **config,
     )
 
 
@@ -290,7 +294,9 @@ def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> S
     )
     layout = setup.layout
     count = draw(st.integers(1, min(2, profile.max_steps)))
-    calls = [moe_call(layout, semantic, loss_scale=1.0 / layout.microbatches, per_layer_logging=True)]
+    calls = [
+        moe_call(layout, semantic, loss_scale=1.0 / layout.microbatches, per_layer_logging=True)
+    ]
     return Scenario(
         setup=setup,
         mode="router",
@@ -388,7 +394,9 @@ def broadcast_scenarios(draw: st.DrawFn, profile: Profile, mode: BufferMode) -> 
 def track_names_scenarios(draw: st.DrawFn, profile: Profile) -> Scenario:
     layout = draw(layouts(1, max_per_stage=4))
     setup = Setup(world=WorldSpec(), layout=layout)
-    return Scenario(setup=setup, steps=[Step(calls=[TrackNamesCall()])], deadline_s=profile.deadline_s)
+    return Scenario(
+        setup=setup, steps=[Step(calls=[TrackNamesCall()])], deadline_s=profile.deadline_s
+    )
 
 
 @st.composite

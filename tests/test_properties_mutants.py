@@ -11,22 +11,15 @@ from pathlib import Path
 import pytest
 
 from .broken.mutants import MUTANTS, write_mutant
-from .test_properties_runner import check, path_targets_picklable
-
-PICKLING_BROKEN = not path_targets_picklable()
+from .test_properties_runner import check
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
 def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
     mutant = MUTANTS[name]
-    if PICKLING_BROKEN and "get_moe_metrics" in mutant.functions:
-        pytest.xfail(
-            "sim/target.py does not register .py path targets in sys.modules: get_moe_metrics "
-            "of any path target fails with PicklingError, not with the mutant's bug"
-        )
-    target = write_mutant(name, tmp_path / "mutants")
+    path = write_mutant(name, tmp_path / "mutants")
     code, data, output = check(
-        tmp_path, "--impl", str(target), "--only", *mutant.fails,
+        tmp_path, "--impl", str(path), "--only", *mutant.fails,
         "--hypothesis-profile", "dev", "--max-examples", "80", "--seed", "0",
         "--shrink-seconds", "10", timeout=400,
     )  # fmt: skip

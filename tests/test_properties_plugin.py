@@ -15,7 +15,7 @@ import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
 
-from .test_properties_runner import _leftovers
+from .test_properties_runner import assert_no_leftovers
 
 
 def run_pytest(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
@@ -28,8 +28,7 @@ def run_pytest(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[int, s
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
-    dirs, pids = _leftovers(tmp)
-    assert not dirs and not pids, f"left behind: {dirs} {pids}"
+    assert_no_leftovers(tmp)
     return proc.returncode, proc.stdout + proc.stderr
 
 

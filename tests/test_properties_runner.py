@@ -12,13 +12,13 @@ import shutil
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
-from pipemetrics.sim.target import load_target
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
@@ -27,21 +27,6 @@ ENTRY_KEYS = {
     "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
 }  # fmt: skip
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.errors_everywhere"]
-
-
-def path_targets_picklable() -> bool:
-    """Whether a .py path target's classes can be pickled in a rank (sim/target.py registers
-    the loaded module in sys.modules). The reference pickles a NamedTuple in get_moe_metrics."""
-    module = load_target(str(REFERENCE_FILE))
-    return sys.modules.get(module.__name__) is module
-
-
-needs_picklable_path_targets = pytest.mark.xfail(
-    not path_targets_picklable(),
-    reason="sim/target.py does not register a .py path target in sys.modules, so "
-    "all_gather_object cannot pickle the reference's _EntryMeta NamedTuple (PicklingError)",
-    strict=False,
-)
 
 
 def _leftovers(tmp: Path) -> tuple[list[str], list[int]]:
@@ -61,22 +46,9 @@ def _leftovers(tmp: Path) -> tuple[list[str], list[int]]:
     return dirs, pids
 
 
-def check(
-    tmp_path: Path, *args: str, timeout: float = 420, cwd: Path | None = None
-) -> tuple[int, dict[str, Any] | None, str]:
-    """Run ``pipemetrics check`` with a private TMPDIR and report dir; assert no leftovers."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
-    out = tmp_path / "report.json"
-    env = dict(os.environ, TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
-    command = [
-        sys.executable, "-m", "pipemetrics.properties.cli", "check",
-        "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args,
-    ]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    deadline = time.monotonic() + 5
+def assert_no_leftovers(tmp: Path, grace_s: float = 10.0) -> None:
+    """No world directory under ``tmp`` and no live process started with TMPDIR=``tmp``."""
+    deadline = time.monotonic() + grace_s
     while True:
         dirs, pids = _leftovers(tmp)
         if (not dirs and not pids) or time.monotonic() > deadline:
@@ -84,6 +56,28 @@ def check(
         time.sleep(0.2)
     assert not dirs, f"world directories left behind: {dirs}"
     assert not pids, f"processes left behind: {pids}"
+
+
+def check(
+    tmp_path: Path,
+    *args: str,
+    timeout: float = 420,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> tuple[int, dict[str, Any] | None, str]:
+    """Run ``pipemetrics check`` with a private TMPDIR and report dir; assert no leftovers."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    out = tmp_path / "report.json"
+    env = dict(os.environ, **(env or {}), TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
+    command = [
+        sys.executable, "-m", "pipemetrics.properties.cli", "check",
+        "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert_no_leftovers(tmp)
     data = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, data, proc.stdout + proc.stderr
 
@@ -93,8 +87,14 @@ def statuses(data: dict[str, Any]) -> dict[str, str]:
 
 
 def test_json_contract(tmp_path: Path) -> None:
-    code, data, output = check(tmp_path, "--only", *CHEAP, "--max-examples", "3")
+    junit = tmp_path / "junit.xml"
+    code, data, output = check(
+        tmp_path, "--only", *CHEAP, "--max-examples", "3", "--junit", str(junit)
+    )
     assert code == 0, output
+    suite = ET.parse(junit).getroot()
+    assert suite.tag == "testsuite" and suite.get("tests") == str(len(CHEAP))
+    assert {case.get("name") for case in suite.iter("testcase")} == set(CHEAP)
     assert data is not None
     assert CONTRACT_KEYS <= set(data) <= CONTRACT_KEYS | {"coverage"}
     assert data["target"] == "pipemetrics.reference"
@@ -123,7 +123,6 @@ def test_reference_passes_everything(tmp_path: Path, profile: str) -> None:
     assert data["profile"] == profile
 
 
-@needs_picklable_path_targets
 def test_bare_py_file_outside_the_repo(tmp_path: Path) -> None:
     target = tmp_path / "vendored" / "megatron_common.py"
     target.parent.mkdir()

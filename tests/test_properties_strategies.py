@@ -50,7 +50,7 @@ STABLE_IDS = {
 
 
 def test_stable_ids_are_all_present() -> None:
-    assert STABLE_IDS <= set(PROPERTY_IDS)
+    assert set(PROPERTY_IDS) >= STABLE_IDS
     assert len(PROPERTY_IDS) == len(set(PROPERTY_IDS))
 
 
