@@ -14,7 +14,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from pipemetrics.sim.layout import Setup
-from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, MtpRecord, StepRecords
+from pipemetrics.sim.records import MoeRecord, MtpRecord, StepRecords, router_record
 from pipemetrics.sim.topology import places_for
 
 
@@ -45,28 +45,6 @@ def token_counts() -> st.SearchStrategy[float]:
     )
 
 
-def moe_slots(setup: Setup, stage: int) -> list[int]:
-    """1-based tracker slots of the routers of ``stage``, in forward order."""
-    layout = setup.layout
-    slots = setup.moe_layers_on_stage(stage)
-    if layout.mtp_is_moe:
-        slots += [layout.num_layers + k for k in setup.mtp_layers_on_stage(stage)]
-    return slots
-
-
-def moe_record(name: str, slot: int, value: float, track_length: int) -> MoeRecord:
-    reduce, avg, needs_dp_avg = ROUTER_REDUCTION[name]
-    return MoeRecord(
-        name=name,
-        layer_number=slot,
-        value=value,
-        num_layers=track_length,
-        reduce=reduce,
-        avg=avg,
-        needs_dp_avg=needs_dp_avg,
-    )
-
-
 @st.composite
 def _rank_moe_records(
     draw: st.DrawFn,
@@ -80,9 +58,9 @@ def _rank_moe_records(
     order = draw(st.permutations(names)) if permute and len(names) > 1 else names
     records = []
     for _ in range(layout.microbatches):
-        for slot in moe_slots(setup, stage):
+        for slot in setup.router_slots(stage):
             for name in order:
-                records.append(moe_record(name, slot, draw(values), layout.track_length))
+                records.append(router_record(name, slot, draw(values), layout.track_length))
     return records
 
 

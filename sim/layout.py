@@ -241,6 +241,14 @@ class Setup(Frozen):
             return []
         return list(range(1, self.layout.mtp_num_layers + 1))
 
+    def router_slots(self, stage: int) -> list[int]:
+        """1-based tracker slots the routers of ``stage`` record into, in forward order: the main
+        MoE layers, then (on the last stage, when MTP layers are MoE) ``num_layers + k``."""
+        slots = self.moe_layers_on_stage(stage)
+        if self.layout.mtp_is_moe:
+            slots += [self.layout.num_layers + k for k in self.mtp_layers_on_stage(stage)]
+        return slots
+
     def records_moe(self, stage: int) -> bool:
         """Whether any router lives on ``stage`` (main MoE layers, or MoE MTP layers)."""
         return bool(self.moe_layers_on_stage(stage)) or (

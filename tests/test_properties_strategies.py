@@ -16,7 +16,6 @@ from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
 from pipemetrics.properties.coverage import features
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
-from pipemetrics.properties.synthetic import moe_slots
 from pipemetrics.sim.calls import BroadcastCall, MoeCall
 from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.records import ROUTER_REDUCTION
@@ -86,7 +85,7 @@ def _check_records(setup: Setup, records: object) -> None:
     places = places_for(setup.world)
     for rank, place in places.items():
         moe = records.moe.get(rank, [])
-        slots = moe_slots(setup, place.pp_rank)
+        slots = setup.router_slots(place.pp_rank)
         names = layout.live_track_names
         assert len(moe) == layout.microbatches * len(slots) * len(names)
         for rec in moe:
