@@ -39,7 +39,7 @@ from typing import Any
 from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
-from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords
+from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.summary import run_passed
 from pipemetrics.sim.topology import coordinates
@@ -171,19 +171,6 @@ def pipeline_world(size: int) -> WorldSpec:
     return WorldSpec(pp=2, dp=size // 2)
 
 
-def _record(name: str, layer: int, value: float, num_layers: int) -> MoeRecord:
-    reduce, avg, dp_avg = ROUTER_REDUCTION[name]
-    return MoeRecord(
-        name=name,
-        layer_number=layer,
-        value=value,
-        num_layers=num_layers,
-        reduce=reduce,
-        avg=avg,
-        needs_dp_avg=dp_avg,
-    )
-
-
 def throughput_scenario(spec: WorldSpec, rng: random.Random) -> Scenario:
     """A synthetic ``get_moe_metrics`` example: 2 MoE layers per stage, 2 names, 4 records/rank."""
     layout = ModelLayout(num_layers=2 * spec.pp, z_loss_coeff=0.001)
@@ -192,7 +179,7 @@ def throughput_scenario(spec: WorldSpec, rng: random.Random) -> Scenario:
     for rank in range(spec.world_size):
         stage = coordinates(spec, rank)["pp"]
         moe[rank] = [
-            _record(name, layer, round(rng.uniform(0.0, 4.0), 3), layout.num_layers)
+            router_record(name, layer, round(rng.uniform(0.0, 4.0), 3), layout.num_layers)
             for layer in setup.stage_layer_numbers(stage)
             for name in TRACK_NAMES
         ]

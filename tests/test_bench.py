@@ -1,0 +1,89 @@
+"""``pipemetrics bench --quick`` runs end to end and writes the JSON contract.
+
+Benchmarks are not timed tests: nothing here compares a number with a threshold (this machine is
+shared and noisy); the targets are reported by the bench, not asserted. What is checked is the
+shape of the JSON, that every figure is a positive number, that each speedup is the ratio of
+the two rates, and that the bench left no rank process or world directory behind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .conftest import pid_alive
+
+TIMEOUT_S = 600
+"""A hard cap against a hung bench, not a performance threshold."""
+QUICK_SIZES = {"2", "4"}
+
+
+def positive(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def test_quick_bench_writes_the_json_contract(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipemetrics.properties.cli",
+            "bench",
+            "--quick",
+            "--json",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads(out.read_text(encoding="utf-8"))
+
+    contract = {
+        "examples_per_s", "speedup", "deadlock_verdict_ms", "world_start_s", "check_ci_profile_s",
+    }  # fmt: skip
+    assert contract <= set(data)
+    rates = data["examples_per_s"]
+    assert set(rates) == {"persistent", "spawn"}
+    assert set(rates["persistent"]) == QUICK_SIZES
+    assert set(rates["spawn"]) == QUICK_SIZES
+    assert set(data["speedup"]) == QUICK_SIZES
+    for size in QUICK_SIZES:
+        persistent, spawn, speedup = (
+            rates["persistent"][size], rates["spawn"][size], data["speedup"][size],
+        )  # fmt: skip
+        assert positive(persistent) and positive(spawn) and positive(speedup), (size, data)
+        assert math.isclose(speedup, persistent / spawn, rel_tol=1e-2), (size, data)
+    assert set(data["deadlock_verdict_ms"]) == {"p50", "p95"}
+    assert all(positive(v) for v in data["deadlock_verdict_ms"].values()), data
+    assert data["deadlock_verdict_ms"]["p50"] <= data["deadlock_verdict_ms"]["p95"]
+    assert set(data["world_start_s"]) == {"cold", "preloaded"}
+    assert all(positive(v) for v in data["world_start_s"].values()), data
+    assert data["check_ci_profile_s"] is None, "--quick skips the check run"
+    assert data["quick"] is True
+
+    machine = data["machine"]
+    assert positive(machine["cores"])
+    assert all(isinstance(machine[k], str) for k in ("python", "torch", "megatron-core"))
+
+    assert "examples/s" in done.stdout and "deadlock verdict" in done.stdout
+
+    left = data["leftovers"]
+    assert left["rank_pids_started"] > 0 and left["world_dirs_started"] > 0
+    assert left["surviving_pids"] == [] and left["surviving_dirs"] == []
+    assert not [pid for pid in left["pids"] if pid_alive(pid)]
+    assert not [d for d in left["dirs"] if os.path.exists(d)]
