@@ -201,7 +201,7 @@ def deadlock_scenario(spec: WorldSpec, target: Path, value: float, deadline_s: f
     """Stage 0 is dense (records nothing, returns early); stage 1 blocks in the pp all_reduce."""
     layout = ModelLayout(num_layers=2, moe_layer_freq=[0, 1])
     moe = {
-        rank: [_record("load_balancing_loss", 2, value, 2)]
+        rank: [router_record("load_balancing_loss", 2, value, 2)]
         for rank in range(spec.world_size)
         if coordinates(spec, rank)["pp"] == 1
     }
