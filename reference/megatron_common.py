@@ -14,17 +14,73 @@ blocked in a collective its peers abandoned.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterable
+from importlib import metadata
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+# --------------------------------------------------------------------------- version guard
+
+#: The megatron-core releases this module is written and tested against: the ones with the live
+#: ``MoEMetricsTracker`` (``megatron.core.transformer.moe.moe_logging``).
+SUPPORTED_MEGATRON_CORE = ">=0.18,<0.20"
+_SUPPORTED_MIN = (0, 18)  # inclusive (major, minor)
+_SUPPORTED_END = (0, 20)  # exclusive (major, minor)
+#: Set to 1 to import anyway on a release outside the range (e.g. a fork with its own version).
+_SKIP_CHECK_ENV = "PIPEMETRICS_SKIP_MEGATRON_VERSION_CHECK"
+
+
+class UnsupportedMegatronCoreError(ImportError):
+    """The installed megatron-core is outside :data:`SUPPORTED_MEGATRON_CORE`."""
+
+
+def _megatron_core_version() -> str | None:
+    """The installed megatron-core version: package metadata, else ``package_info``."""
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return None
+    version = getattr(package_info, "__version__", None)
+    return version if isinstance(version, str) else None
+
+
+def _check_megatron_core_version(version: str | None) -> None:
+    """Raise :class:`UnsupportedMegatronCoreError` unless ``version`` is in the supported range."""
+    if os.environ.get(_SKIP_CHECK_ENV, "") not in ("", "0"):
+        return
+    hint = f" (set {_SKIP_CHECK_ENV}=1 to import anyway, at your own risk)"
+    if version is None:
+        raise UnsupportedMegatronCoreError(
+            f"pipemetrics reference supports megatron-core {SUPPORTED_MEGATRON_CORE}; "
+            f"megatron-core is not installed or its version cannot be determined{hint}"
+        )
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
+    if match is None or not (_SUPPORTED_MIN <= (int(match[1]), int(match[2])) < _SUPPORTED_END):
+        raise UnsupportedMegatronCoreError(
+            f"pipemetrics reference supports megatron-core {SUPPORTED_MEGATRON_CORE}; "
+            f"found {version}{hint}"
+        )
+
+
+# Before the megatron.core imports below, so an unsupported release fails here, by name.
+_check_megatron_core_version(_megatron_core_version())
+
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # noqa: E402
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper  # noqa: E402
 
 __all__ = [
+    "SUPPORTED_MEGATRON_CORE",
     "_AUX_LOSS_TRACK_NAMES",
+    "UnsupportedMegatronCoreError",
     "_round_up_to_multiple",
     "broadcast_tensor",
     "get_aux_loss_track_names",

@@ -1,0 +1,67 @@
+"""The megatron-core version matrix: the test suite against the oldest and the newest supported
+release, each in its own Python 3.12 virtualenv.
+
+    .venv/bin/nox -f ci/noxfile.py                        # both releases
+    .venv/bin/nox -f ci/noxfile.py -s "tests(megatron='0.18.2')" -- -k vendor   # one, pytest args
+
+``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub
+workflow runs it on a schedule. torch stays at the pinned default in every session, so the only
+thing that varies is megatron-core. pipemetrics is installed non-editable from a copy of the
+checkout, so the session never rewrites the checkout's ``build/`` link tree that ``.venv`` uses.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).resolve().parent.parent
+CONSTRAINTS = ROOT / "ci" / "constraints.txt"
+#: Oldest and newest supported releases (the range is SUPPORTED_MEGATRON_CORE in the reference,
+#: ``megatron-core>=0.18,<0.20`` in pyproject.toml): the newest patch of each minor on PyPI.
+MEGATRON_CORE = ["0.18.2", "0.19.2"]
+#: nox points TMPDIR at the session's (deep) tmp dir; the worlds' unix sockets need a short one.
+HOST_TMPDIR = tempfile.gettempdir()
+_COPY_IGNORE = shutil.ignore_patterns(
+    ".venv", ".nox", "build", "*.egg-info", "__pycache__", ".hypothesis", ".mypy_cache",
+    ".ruff_cache", ".pytest_cache", ".git", "pipemetrics-report*",
+)  # fmt: skip
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def _constraints(session: nox.Session, megatron: str) -> Path:
+    """ci/constraints.txt with megatron-core replaced by ``megatron``."""
+    pins = [
+        line
+        for line in CONSTRAINTS.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#") and not line.startswith("megatron-core")
+    ]
+    path = Path(session.create_tmp()) / "constraints.txt"
+    path.write_text("\n".join([*pins, f"megatron-core=={megatron}"]) + "\n", encoding="utf-8")
+    return path
+
+
+@nox.session(python="3.12")
+@nox.parametrize("megatron", MEGATRON_CORE)
+def tests(session: nox.Session, megatron: str) -> None:
+    constraints = _constraints(session, megatron)
+    source = Path(session.create_tmp()) / "src"
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.copytree(ROOT, source, ignore=_COPY_IGNORE)
+    session.install("-c", str(constraints), f"{source}[dev]")
+    session.run(
+        "python", "-c",
+        "from importlib.metadata import version as v; "
+        "print('megatron-core', v('megatron-core'), 'torch', v('torch'))",
+    )  # fmt: skip
+    session.chdir(ROOT)
+    session.run(
+        "python", "-m", "pytest", "-n", "2", "--dist", "loadfile", "tests", *session.posargs,
+        env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TMPDIR": HOST_TMPDIR},
+    )  # fmt: skip

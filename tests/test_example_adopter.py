@@ -1,0 +1,124 @@
+"""ci/example-adopter: the CI command, run locally, catches the toy trainer's planted bug.
+
+``run-locally.sh`` runs the same ``pipemetrics check`` line as the conformance action the
+example's workflow calls; it must exit 1 with ``moe.no_hang`` failing on a deadlock, and leave
+no process or world directory behind. Its own TMPDIR makes the leftover check exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "ci" / "example-adopter"
+ACTION = REPO / "ci" / "action" / "action.yml"
+TIMEOUT_S = 600.0
+
+
+def _leftovers(tmp: Path) -> tuple[list[str], list[int]]:
+    dirs = sorted(str(p) for p in tmp.glob("pipemetrics-world-*"))
+    marker = f"TMPDIR={tmp}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if marker in environ.split(b"\0") and state != "Z":
+            pids.append(int(proc.name))
+    return dirs, pids
+
+
+def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(
+        os.environ,
+        PIPEMETRICS=str(Path(sys.executable).parent / "pipemetrics"),
+        PIPEMETRICS_OUT=str(out),
+        PIPEMETRICS_HYPOTHESIS_DB="none",
+        HYPOTHESIS_STORAGE_DIRECTORY=str(tmp / ".hypothesis"),  # not in the checkout
+        TMPDIR=str(tmp),
+    )
+    command = ["bash", str(EXAMPLE / "run-locally.sh")]
+    proc = subprocess.Popen(
+        command, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the CLI ends its worlds on SIGTERM
+        try:
+            output, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        pytest.fail(f"run-locally.sh ran past {TIMEOUT_S} s:\n{output[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+
+
+def test_run_locally_catches_the_planted_bug(tmp_path: Path) -> None:
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _run_script(out, tmp)
+    output = proc.stdout
+
+    deadline = time.monotonic() + 10
+    while _leftovers(tmp) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _leftovers(tmp) == ([], []), "world directories or processes left behind"
+
+    assert proc.returncode == 1, output[-4000:]
+    report = json.loads((out / "pipemetrics.json").read_text(encoding="utf-8"))
+    assert report["conformant"] is False
+    assert report["target"].endswith("toytrainer/megatron/common.py")
+    by_id = {p["id"]: p for p in report["properties"]}
+    no_hang = by_id["moe.no_hang"]
+    assert no_hang["status"] == "fail", no_hang
+    assert "deadlock" in no_hang["message"], no_hang["message"]
+    assert no_hang["counterexample"] is not None
+    assert no_hang["replay"] and "pipemetrics replay" in no_hang["replay"]
+    # the toy defines only the two tracker helpers; its MTP helper is correct
+    assert by_id["broadcast.roundtrip"]["status"] == "absent"
+    assert by_id["mtp.keys"]["status"] == "pass"
+    # artifacts the action uploads, and the job summary it writes
+    assert (out / "pipemetrics.xml").is_file()
+    assert any((out / "pipemetrics-report").glob("*.json"))
+    summary = (out / "pipemetrics-summary.md").read_text(encoding="utf-8")
+    assert "| `moe.no_hang` |" in summary
+    assert "```json" in summary and "pipemetrics replay" in summary
+    assert "exited with 1" in output
+
+
+def _normalised(shell: str) -> str:
+    return " ".join(shell.replace("\\\n", " ").split())
+
+
+def test_script_runs_what_the_workflow_runs() -> None:
+    """run-locally.sh, the example's ci.yml and the action agree on the command."""
+    workflow = (EXAMPLE / ".github" / "workflows" / "ci.yml").read_text(encoding="utf-8")
+    script = (EXAMPLE / "run-locally.sh").read_text(encoding="utf-8")
+    action = ACTION.read_text(encoding="utf-8")
+    impl = re.search(r"^\s+impl: (\S+)$", workflow, re.M)
+    args = re.search(r"^\s+args: (.+)$", workflow, re.M)
+    assert impl and args
+    assert f"IMPL={impl[1]}\n" in script
+    assert f'ARGS="{args[1]}"\n' in script
+    assert (EXAMPLE / impl[1]).is_file()
+    command = (
+        'check --impl "$IMPL" --profile "$PROFILE" --json pipemetrics.json '
+        '--junit pipemetrics.xml --report-dir pipemetrics-report "${markdown[@]}" $ARGS'
+    )
+    assert f"pipemetrics {command}" in _normalised(action)
+    assert f'"$pipemetrics" {command}' in re.sub(r'"\$out/([^"]+)"', r"\1", _normalised(script))
