@@ -152,7 +152,8 @@ CATALOGUE: tuple[Property, ...] = (
     Property(
         "mtp.keys",
         MTP,
-        "mtp_{i}_loss / mtp_{i}_acceptance_rate with i from 1 on MTP ranks, {} elsewhere",
+        "mtp_{i}_loss / mtp_{i}_acceptance_rate with i from 1 on MTP ranks, {} elsewhere "
+        "(no rate with megatron-core 0.18: no counts)",
         _mtp(),
         j.checked(j.mtp_keys),
     ),
@@ -166,7 +167,8 @@ CATALOGUE: tuple[Property, ...] = (
     Property(
         "mtp.acceptance_rate",
         MTP,
-        "100 * correct / max(total, 1), clamped to [0, 100], never scaled",
+        "100 * correct / max(total, 1), clamped to [0, 100], never scaled "
+        "(vacuous with megatron-core 0.18: no counts)",
         _mtp(scale_one=False),
         j.checked(j.mtp_acceptance_rate),
     ),

@@ -3,8 +3,8 @@
 The property's scenario strategy drives a programmatic ``@given`` test; each example runs in a
 pooled live world (worlds live across examples and properties) and is judged. Hypothesis
 shrinks a failure; the last failing example it runs is the minimal one, so its scenario, the
-problems and what each rank did are kept. A failing scenario is written with `save_scenario`
-for ``pipemetrics replay``.
+problems, what each rank did and its layout picture (`pipemetrics.sim.picture`) are kept. A
+failing scenario is written with `save_scenario` for ``pipemetrics replay``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.profiles import Profile, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault, describe_ranks
 from pipemetrics.properties.strategies import Semantic
+from pipemetrics.sim.picture import run_picture
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.scenario import Scenario, save_scenario
-from pipemetrics.sim.world import WorldStartError
+from pipemetrics.sim.world import WorldRun, WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
 MAX_PROBLEM_LINES = 12
@@ -50,6 +51,15 @@ class PropertyResult:
     details: str | None = None
     """What each rank did in the minimal failing example (human report only)."""
     xfail: bool = False
+    picture: str | None = None
+    """`pipemetrics.sim.picture.layout_picture` of the minimal failing example: stages by
+    layers, each rank's groups, where each rank stood at the verdict."""
+
+    def counterexample_json(self) -> dict[str, Any] | None:
+        """The counterexample scenario, plus its picture under ``"picture"`` when there is one."""
+        if self.counterexample is None or self.picture is None:
+            return self.counterexample
+        return {**self.counterexample, "picture": self.picture}
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -58,7 +68,7 @@ class PropertyResult:
             "status": "absent" if self.status == "skipped" else self.status,
             "examples": self.examples,
             "seconds": round(self.seconds, 3),
-            "counterexample": self.counterexample,
+            "counterexample": self.counterexample_json(),
             "replay": self.replay,
             "message": self.message,
         }
@@ -84,6 +94,16 @@ class _Failure:
     scenario: Scenario
     problems: list[str]
     details: str
+    picture: str
+
+
+def failure_picture(scenario: Scenario, run: WorldRun) -> str:
+    """The run's layout picture; a note instead if drawing it fails (never hides the failure)."""
+    # a picture that cannot be drawn must not turn the property's fail into a harness error
+    try:
+        return run_picture(scenario.setup, run)
+    except Exception as exc:
+        return f"(no layout picture: {type(exc).__name__}: {exc})"
 
 
 @dataclass
@@ -127,7 +147,9 @@ def _example_runner(
             raise HarnessFault(f"could not start a world: {exc}") from exc
         problems = prop.judge(scenario, run)
         if problems:
-            state.failure = _Failure(scenario, problems, describe_ranks(run))
+            state.failure = _Failure(
+                scenario, problems, describe_ranks(run), failure_picture(scenario, run)
+            )
             raise PropertyFailed("; ".join(problems[:3]))
 
     example._hypothesis_internal_add_digest = (  # type: ignore[attr-defined]
@@ -189,6 +211,7 @@ def run_property(
         result.status = "fail"
         result.message = _failure_message(failure, flaky)
         result.details = failure.details
+        result.picture = failure.picture
         result.counterexample = failure.scenario.model_dump(mode="json")
         result.replay = _write_replay(prop, failure, options.report_dir)
     return result

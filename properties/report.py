@@ -1,8 +1,10 @@
-"""The check's outputs: the human table and failure write-ups, the JSON report, JUnit XML.
+"""The check's outputs: the human table and failure write-ups, the JSON report, JUnit XML, and
+a Markdown summary (for a CI job summary).
 
 JSON contract: ``{"target", "profile", "conformant", "properties": [{"id", "function",
 "status", "examples", "seconds", "counterexample", "replay", "message"}]}`` plus the additional
-top-level key ``"coverage"``.
+top-level key ``"coverage"``. A failure's ``counterexample`` (the scenario) carries one extra
+key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.picture`.
 """
 
 from __future__ import annotations
@@ -101,6 +103,10 @@ def _counterexample_summary(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _indent(text: str, prefix: str = "  ") -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
+
+
 def print_failures(results: list[PropertyResult], out: TextIO) -> None:
     for r in results:
         if r.status not in ("fail", "error"):
@@ -112,6 +118,8 @@ def print_failures(results: list[PropertyResult], out: TextIO) -> None:
         if r.counterexample is not None:
             out.write("minimal counterexample:\n")
             out.write(_counterexample_summary(r.counterexample) + "\n")
+            if r.picture:
+                out.write(_indent(r.picture) + "\n")
         if r.details:
             out.write("what each rank did:\n" + r.details + "\n")
         if r.replay:
@@ -131,3 +139,58 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
             f"  WARNING: never generated (by the properties that ran): "
             f"{', '.join(coverage['never_seen'])}\n"
         )
+
+
+def _fence(text: str, lang: str = "") -> str:
+    ticks = "```"
+    while ticks in text:
+        ticks += "`"
+    return f"{ticks}{lang}\n{text}\n{ticks}"
+
+
+def _cell(value: object) -> str:
+    return "" if value is None else str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(target: str, profile: str, results: list[PropertyResult]) -> str:
+    """The report as Markdown: a verdict line, the table (id, function, status, examples,
+    seconds), then per failure its message, layout picture, counterexample and replay command."""
+    ok = conformant(results)
+    lines = [
+        "## pipemetrics conformance",
+        "",
+        f"**`{target}`: {'CONFORMANT' if ok else 'NOT CONFORMANT'}** ({profile} profile)",
+        "",
+        "| property | function | status | examples | seconds |",
+        "| --- | --- | --- | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| `{_cell(r.id)}` | `{_cell(r.function)}` | {_cell(_status_text(r))} "
+            f"| {r.examples} | {r.seconds:.1f} |"
+        )
+    for r in results:
+        if r.status not in ("fail", "error"):
+            continue
+        xfail = " (xfail: expected)" if r.xfail else ""
+        lines += ["", f"### `{r.id}` ({r.function}): {r.status}{xfail}", ""]
+        if r.message:
+            lines += [_fence(r.message, "text"), ""]
+        if r.picture:
+            lines += ["Layout and where each rank stood:", "", _fence(r.picture, "text"), ""]
+        if r.counterexample is not None:
+            lines += [
+                "<details><summary>minimal counterexample (scenario JSON)</summary>",
+                "",
+                _fence(json.dumps(r.counterexample, indent=2), "json"),
+                "",
+                "</details>",
+                "",
+            ]
+        if r.replay:
+            lines += ["Replay it locally:", "", _fence(r.replay, "bash"), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_markdown(path: str, target: str, profile: str, results: list[PropertyResult]) -> None:
+    Path(path).write_text(render_markdown(target, profile, results), encoding="utf-8")

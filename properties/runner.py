@@ -3,8 +3,9 @@
 `add_check_arguments` declares the options, `run_check` runs them and returns the exit code:
 0 every property of every provided function passes, 1 any fails (or errors), 2 usage or load
 errors. Progress goes to stderr, one line per property; the table, the failure write-ups (with
-the shrunk counterexample, what each rank did and the ``pipemetrics replay`` command) and the
-coverage summary go to stdout. ``-n WORKERS`` splits the properties over worker processes, each
+the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
+command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
+the same report to files. ``-n WORKERS`` splits the properties over worker processes, each
 running this same command on its share with its own world pool.
 """
 
@@ -33,6 +34,7 @@ from pipemetrics.properties.report import (
     report_json,
     write_json,
     write_junit,
+    write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.sim.pool import WorldPool
@@ -69,6 +71,13 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", dest="json_out", default=None, metavar="FILE")
     parser.add_argument("--junit", default=None, metavar="FILE")
+    parser.add_argument(
+        "--markdown",
+        default=None,
+        metavar="FILE",
+        help="write the report as Markdown (table; per failure the message, the layout "
+        "picture, the counterexample and the replay command), e.g. for a CI job summary",
+    )
     parser.add_argument(
         "-n",
         "--workers",
@@ -280,4 +289,6 @@ def _finish(
         write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
     if args.junit:
         write_junit(args.junit, args.impl, results)
+    if args.markdown:
+        write_markdown(args.markdown, args.impl, args.profile, results)
     return EXIT_OK if ok else EXIT_FAIL

@@ -57,8 +57,7 @@ def world_problems(run: WorldRun) -> list[str]:
             err = result.done.load_error
             return [f"rank {rank} could not load the target: {err.type}: {err.message}"]
     if verdict.kind != "ok":
-        prefix = "" if verdict.message.startswith(verdict.kind) else f"{verdict.kind}: "
-        return [prefix + verdict.message]
+        return [verdict.text()]
     return []
 
 
@@ -92,7 +91,7 @@ def short(value: Any, limit: int = 300) -> str:
 
 def describe_ranks(run: WorldRun) -> str:
     """What each rank did: its place, then per call its value or its exception."""
-    lines = [f"verdict: {run.verdict.kind}: {run.verdict.message}"]
+    lines = [f"verdict: {run.verdict.text()}"]
     for rank, result in sorted(run.ranks.items()):
         place = result.place
         head = (

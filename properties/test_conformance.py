@@ -32,6 +32,8 @@ def test_property(
     if result.status == "pass":
         return
     parts = [f"{prop.id} {result.status}: {result.message}"]
+    if result.picture:
+        parts.append(result.picture)
     if result.details:
         parts.append("what each rank did:\n" + result.details)
     if result.replay:

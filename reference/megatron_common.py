@@ -584,34 +584,89 @@ def get_moe_metrics(
 # --------------------------------------------------------------------------- MTP metrics
 
 
+#: ``MTPLossLoggingHelper.tracker`` layouts, newest first: (loss key, count keys, the helper's
+#: reduce method, its clean method). megatron-core 0.19 records loss and acceptance counts
+#: (``save_metrics_to_tracker``); 0.18 records the loss only (``save_loss_to_tracker``).
+_MTP_LAYOUTS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    (
+        "loss_values",
+        ("correct_values", "total_values"),
+        "reduce_metrics_in_tracker",
+        "clean_metrics_in_tracker",
+    ),
+    ("values", (), "reduce_loss_in_tracker", "clean_loss_in_tracker"),
+)
+
+
+def _reduce_mtp_tracker(
+    tracker: dict[str, Any], loss_key: str, count_keys: tuple[str, ...]
+) -> None:
+    """The helper's reduction, for a tracker layout the installed helper does not handle:
+    loss SUM over ``reduce_group`` then AVG over ``avg_group``; counts SUM over both."""
+    reduce_group, avg_group = tracker.get("reduce_group"), tracker.get("avg_group")
+    for key, avg_op in (
+        (loss_key, dist.ReduceOp.AVG),
+        *((k, dist.ReduceOp.SUM) for k in count_keys),
+    ):
+        if key not in tracker:
+            continue
+        if reduce_group is not None:
+            dist.all_reduce(tracker[key], group=reduce_group)
+        if avg_group is not None:
+            dist.all_reduce(tracker[key], group=avg_group, op=avg_op)
+
+
 def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
     """Reduce Megatron's MTP tracker and return per-MTP-layer loss and acceptance rate.
 
-    A rank whose ``MTPLossLoggingHelper.tracker`` holds no ``"loss_values"`` returns ``{}``
-    without entering any collective (callers gate on the last pipeline stage and broadcast).
-    Otherwise, when ``torch.distributed`` is initialised, reduces exactly like
-    ``MTPLossLoggingHelper.reduce_metrics_in_tracker`` (loss: SUM over ``reduce_group`` then
-    AVG over ``avg_group``; correct/total counts: SUM over both; a ``None`` group is skipped,
-    e.g. after a previous clean), so every rank holding the tracker must call it.
+    Works with both tracker layouts of the supported releases: megatron-core 0.19's
+    (``"loss_values"``, ``"correct_values"``, ``"total_values"``) and 0.18's (``"values"``: the
+    loss only, no acceptance counts). A rank whose ``MTPLossLoggingHelper.tracker`` holds
+    neither ``"loss_values"`` nor ``"values"`` returns ``{}`` without entering any collective
+    (callers gate on the last pipeline stage and broadcast). Otherwise, when
+    ``torch.distributed`` is initialised, reduces with the installed helper's own method
+    (0.19 ``reduce_metrics_in_tracker``: loss SUM over ``reduce_group`` then AVG over
+    ``avg_group``, correct/total counts SUM over both; 0.18 ``reduce_loss_in_tracker``: the
+    loss alike; a ``None`` group is skipped, e.g. after a previous clean), so every rank
+    holding the tracker must call it.
 
     Returns, for each MTP layer ``i`` (1-based), ``"mtp_{i}_loss"`` = ``loss_scale *`` the
-    reduced loss and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)``
-    clamped to ``[0, 100]`` (never scaled); all Python floats. Missing correct/total vectors
-    count as 0 correct / 1 total (Megatron's defaults). The tracker is cleaned afterwards
-    (``clean_metrics_in_tracker``: values zeroed, groups set to ``None``).
+    reduced loss and, with the 0.19 layout only, ``"mtp_{i}_acceptance_rate"`` =
+    ``100 * correct / max(total, 1)`` clamped to ``[0, 100]`` (never scaled); all Python
+    floats. Missing correct/total vectors count as 0 correct / 1 total (Megatron's defaults).
+    With megatron-core 0.18 there are no acceptance counts, so only the ``mtp_{i}_loss`` keys
+    are returned. The tracker is cleaned afterwards with the installed helper's method
+    (``clean_metrics_in_tracker`` / ``clean_loss_in_tracker``: values zeroed, groups set to
+    ``None``).
     """
     tracker = MTPLossLoggingHelper.tracker
-    if "loss_values" not in tracker:
+    layout = next((lay for lay in _MTP_LAYOUTS if lay[0] in tracker), None)
+    if layout is None:
         return {}
+    loss_key, count_keys, reduce_name, clean_name = layout
     if dist.is_available() and dist.is_initialized():
-        MTPLossLoggingHelper.reduce_metrics_in_tracker()
-    losses = tracker["loss_values"].float() * loss_scale
+        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)
+        if reduce is not None:
+            reduce()
+        else:
+            _reduce_mtp_tracker(tracker, loss_key, count_keys)
+    losses = tracker[loss_key].float() * loss_scale
+    counted = bool(count_keys)
     corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
     totals = tracker.get("total_values", torch.ones_like(losses)).float()
     result: dict[str, Any] = {}
     for i in range(losses.numel()):
-        rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)
         result[f"mtp_{i + 1}_loss"] = float(losses[i])
-        result[f"mtp_{i + 1}_acceptance_rate"] = min(max(rate, 0.0), 100.0)
-    MTPLossLoggingHelper.clean_metrics_in_tracker()
+        if counted:
+            rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)
+            result[f"mtp_{i + 1}_acceptance_rate"] = min(max(rate, 0.0), 100.0)
+    clean = getattr(MTPLossLoggingHelper, clean_name, None)
+    if clean is not None:
+        clean()
+    else:
+        for key in (loss_key, *count_keys):
+            if key in tracker:
+                tracker[key].zero_()
+        tracker["reduce_group"] = None
+        tracker["avg_group"] = None
     return result

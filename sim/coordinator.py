@@ -39,6 +39,12 @@ class Verdict(Frozen):
     """Time from the event that made the verdict certain (the last rank blocking, returning or
     dying) to the verdict itself."""
 
+    def text(self) -> str:
+        """``kind: message``, naming the kind once (most messages already start with it)."""
+        if self.message.startswith(f"{self.kind}:") or self.message.startswith(f"{self.kind} "):
+            return self.message
+        return f"{self.kind}: {self.message}"
+
 
 def group_roles(ranks: tuple[int, ...], place: RankPlace | None) -> str:
     """'pp', 'dp/dp_cp', ... : the Megatron roles whose members are exactly ``ranks``."""

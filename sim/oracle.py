@@ -318,18 +318,30 @@ def mtp_groups(
     return groups
 
 
+def mtp_counted(holders: Mapping[int, MtpSnapshot]) -> bool:
+    """Whether the holders' trackers hold acceptance counts (megatron-core 0.19's layout; 0.18's
+    records the loss only). Raises ``ValueError`` when some holders have counts and others not.
+    """
+    counted = {s.correct is not None and s.total is not None for s in holders.values()}
+    if len(counted) > 1:
+        raise ValueError("some MTP trackers hold acceptance counts and others do not")
+    return counted != {False}
+
+
 def reduced_mtp_vectors(holders: Mapping[int, MtpSnapshot]) -> tuple[Vectors, Vectors, Vectors]:
     """Loss, correct and total vectors of every MTP holder after the reductions.
 
     Loss: SUM over reduce group, then AVG over avg group. Counts: SUM over both. All vectors are
-    zero-padded to the longest one held anywhere.
+    zero-padded to the longest one held anywhere. Trackers without counts (megatron-core 0.18)
+    count as holding all-zero counts; see `mtp_counted`.
     """
     length = max(
-        (len(v) for s in holders.values() for v in (s.loss, s.correct, s.total)), default=0
+        (len(v or []) for s in holders.values() for v in (s.loss, s.correct, s.total)),
+        default=0,
     )
     loss = {rank: pad(s.loss, length) for rank, s in holders.items()}
-    correct = {rank: pad(s.correct, length) for rank, s in holders.items()}
-    total = {rank: pad(s.total, length) for rank, s in holders.items()}
+    correct = {rank: pad(s.correct or [], length) for rank, s in holders.items()}
+    total = {rank: pad(s.total or [], length) for rank, s in holders.items()}
     reduce_groups, avg_groups = (
         mtp_groups(holders, "reduce_group"),
         mtp_groups(holders, "avg_group"),
@@ -349,13 +361,20 @@ def acceptance_rate(correct: float, total: float) -> float:
 
 
 def mtp_rank_metrics(
-    loss: Sequence[float], correct: Sequence[float], total: Sequence[float], loss_scale: float
+    loss: Sequence[float],
+    correct: Sequence[float],
+    total: Sequence[float],
+    loss_scale: float,
+    *,
+    counted: bool = True,
 ) -> dict[str, float]:
-    """The keys one MTP holder reports, layers numbered from 1."""
+    """The keys one MTP holder reports, layers numbered from 1 (acceptance rates only when the
+    tracker holds counts)."""
     metrics: dict[str, float] = {}
     for i, (l_i, c_i, t_i) in enumerate(zip(loss, correct, total, strict=True), start=1):
         metrics[f"mtp_{i}_loss"] = loss_scale * l_i
-        metrics[f"mtp_{i}_acceptance_rate"] = acceptance_rate(c_i, t_i)
+        if counted:
+            metrics[f"mtp_{i}_acceptance_rate"] = acceptance_rate(c_i, t_i)
     return metrics
 
 
@@ -365,15 +384,19 @@ def expected_mtp_metrics(
     """What ``get_mtp_metrics`` must return on every rank of ``places``.
 
     A rank without an MTP snapshot returns ``{}``; a holder reports ``mtp_{i}_loss`` (scaled) and
-    ``mtp_{i}_acceptance_rate`` (not scaled). A group that lists a rank without an MTP snapshot
+    ``mtp_{i}_acceptance_rate`` (not scaled), the latter only when the trackers hold acceptance
+    counts (not with megatron-core 0.18). A group that lists a rank without an MTP snapshot
     is rejected: that rank would skip the collective and the others would hang.
     """
     check_ranks(snapshots, places)
     holders = {rank: snap.mtp for rank, snap in sorted(snapshots.items()) if snap.mtp is not None}
+    counted = mtp_counted(holders)
     loss, correct, total = reduced_mtp_vectors(holders)
     result: dict[int, dict[str, float]] = {rank: {} for rank in places}
     for rank in holders:
-        result[rank] = mtp_rank_metrics(loss[rank], correct[rank], total[rank], call.loss_scale)
+        result[rank] = mtp_rank_metrics(
+            loss[rank], correct[rank], total[rank], call.loss_scale, counted=counted
+        )
     return result
 
 

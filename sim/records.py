@@ -39,11 +39,15 @@ class EntrySnapshot(Frozen):
 
 
 class MtpSnapshot(Frozen):
-    """``MTPLossLoggingHelper.tracker`` as a rank holds it before the call under test."""
+    """``MTPLossLoggingHelper.tracker`` as a rank holds it before the call under test.
+
+    ``correct``/``total`` are ``None`` when the tracker holds no acceptance counts (megatron-core
+    0.18's tracker records the loss only).
+    """
 
     loss: list[float]
-    correct: list[float]
-    total: list[float]
+    correct: list[float] | None = None
+    total: list[float] | None = None
     reduce_group: Ranks | None = None
     avg_group: Ranks | None = None
 
@@ -72,7 +76,10 @@ class MoeRecord(Frozen):
 
 
 class MtpRecord(Frozen):
-    """One ``MTPLossLoggingHelper.save_metrics_to_tracker`` call (``layer_number`` is 0-based)."""
+    """One ``MTPLossLoggingHelper.save_metrics_to_tracker`` call (``layer_number`` is 0-based).
+
+    With megatron-core 0.18 (``save_loss_to_tracker``) ``correct``/``total`` are not recorded.
+    """
 
     layer_number: Annotated[int, Field(ge=0)]
     num_layers: Annotated[int, Field(ge=1)]

@@ -41,11 +41,10 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.router import TopKRouter
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipemetrics.sim.layout import Setup
-from pipemetrics.sim.trackers import cpu_current_device
+from pipemetrics.sim.trackers import cpu_current_device, save_mtp
 
 SEQ_LENGTH = 4
 """Tokens per sequence in one router forward (per context-parallel rank)."""
@@ -228,7 +227,8 @@ class RouterStage:
         On the last stage with ``mtp_num_layers > 0``, per MTP layer (0-based ``layer_number``,
         as Megatron passes ``mtp_layer_number`` from ``range(config.mtp_num_layers)``):
         ``save_metrics_to_tracker(loss, correct, total, layer_number, mtp_num_layers,
-        avg_group=dp_cp group)`` with no reduce_group. Values drawn from (seed, step,
+        avg_group=dp_cp group)`` with no reduce_group (megatron-core 0.18:
+        ``save_loss_to_tracker``, the loss only; see `save_mtp`). Values drawn from (seed, step,
         microbatch, dp rank, cp rank, layer): loss in [0.5, 3.5), total an integer in
         [1, SEQ_LENGTH * MICRO_BATCH_SIZE * 4], correct an integer in [0, total], all float
         scalars. A no-op elsewhere.
@@ -245,7 +245,7 @@ class RouterStage:
                 loss = 0.5 + 3.0 * torch.rand((), generator=gen)
                 total = torch.randint(1, max_total + 1, (), generator=gen)
                 correct = torch.randint(0, int(total) + 1, (), generator=gen)
-                MTPLossLoggingHelper.save_metrics_to_tracker(
+                save_mtp(
                     loss.to(device),
                     correct.to(device=device, dtype=torch.float32),
                     total.to(device=device, dtype=torch.float32),

@@ -1,5 +1,6 @@
-"""Human-readable account of a run: the verdict, then what every rank got, checked against the
-oracle where the oracle has an answer (``get_moe_metrics`` and ``get_mtp_metrics``)."""
+"""Human-readable account of a run: the verdict, the layout picture (stages, groups, where each
+rank stood), then what every rank got, checked against the oracle where the oracle has an answer
+(``get_moe_metrics`` and ``get_mtp_metrics``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.oracle import compare_metrics, expected_moe_metrics, expected_mtp_metrics
+from pipemetrics.sim.picture import run_picture
 from pipemetrics.sim.protocol import CallReport
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import WorldRun
@@ -55,14 +57,15 @@ def _short(value: Any, limit: int = 400) -> str:
 
 
 def summarize(scenario: Scenario, run: WorldRun) -> str:
-    """The verdict, each rank's values and errors, and the oracle's objections."""
+    """The verdict, the layout picture, each rank's values and errors, the oracle's objections."""
     lines = [
         f"world {scenario.setup.world.key}, target {scenario.target}, mode {scenario.mode}, "
         f"seed {scenario.seed}",
-        f"verdict: {run.verdict.kind}: {run.verdict.message}",
+        f"verdict: {run.verdict.text()}",
     ]
     if run.verdict.latency_ms is not None:
         lines.append(f"verdict latency: {run.verdict.latency_ms:.2f} ms")
+    lines.append(run_picture(scenario.setup, run))
     for rank, stack in sorted(run.verdict.stacks.items()):
         lines.append(f"rank {rank} stack at the deadline:\n{stack}")
     for (step, index), reports in sorted(call_reports(run).items()):

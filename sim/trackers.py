@@ -33,7 +33,8 @@ def cpu_current_device() -> Iterator[None]:
 
     megatron-core 0.19.2 calls ``torch.cuda.current_device()`` to place tensors in the router
     (gate weight, global-aux-loss buffers), in ``MoEMetricsTracker.ensure_initialized`` and in
-    ``MTPLossLoggingHelper.save_metrics_to_tracker``; on a CPU-only machine that call raises.
+    ``MTPLossLoggingHelper.save_metrics_to_tracker`` (0.18: ``save_loss_to_tracker``); on a
+    CPU-only machine that call raises.
     Where CUDA is available nothing is patched. The original function is restored on exit, also
     when the body raises; nesting is safe.
     """
@@ -81,14 +82,53 @@ def apply_moe_records(records: list[MoeRecord], groups: GroupsByRole) -> None:
         )
 
 
+def mtp_counts_acceptance() -> bool:
+    """Whether the installed ``MTPLossLoggingHelper`` records acceptance counts.
+
+    megatron-core 0.19 has ``save_metrics_to_tracker(loss, correct, total, ...)`` (tracker keys
+    ``loss_values``, ``correct_values``, ``total_values``); 0.18 has
+    ``save_loss_to_tracker(loss, ...)`` (key ``values``, no counts). Detected by feature, not by
+    version number.
+    """
+    return hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+
+
+def save_mtp(
+    loss: torch.Tensor,
+    correct: torch.Tensor,
+    total: torch.Tensor,
+    layer_number: int,
+    num_layers: int,
+    reduce_group: dist.ProcessGroup | None = None,
+    avg_group: dist.ProcessGroup | None = None,
+) -> None:
+    """One MTP record through the installed helper's own save method, as Megatron's
+    ``process_mtp_loss`` calls it; without acceptance counts (0.18) ``correct``/``total`` are
+    dropped."""
+    if mtp_counts_acceptance():
+        MTPLossLoggingHelper.save_metrics_to_tracker(
+            loss,
+            correct,
+            total,
+            layer_number,
+            num_layers,
+            reduce_group=reduce_group,
+            avg_group=avg_group,
+        )
+    else:
+        MTPLossLoggingHelper.save_loss_to_tracker(
+            loss, layer_number, num_layers, reduce_group=reduce_group, avg_group=avg_group
+        )
+
+
 def apply_mtp_records(records: list[MtpRecord], groups: GroupsByRole) -> None:
-    """Feed records through the real ``MTPLossLoggingHelper.save_metrics_to_tracker``.
+    """Feed records through the real ``MTPLossLoggingHelper`` save method (`save_mtp`).
 
     Megatron allocates the tracker with ``torch.cuda.current_device()``; the rank process makes
     that answer with the CPU on a CPU-only machine.
     """
     for rec in records:
-        MTPLossLoggingHelper.save_metrics_to_tracker(
+        save_mtp(
             torch.tensor(rec.loss, dtype=torch.float32),
             torch.tensor(rec.correct, dtype=torch.float32),
             torch.tensor(rec.total, dtype=torch.float32),
@@ -111,7 +151,12 @@ def _floats(values: object) -> list[float]:
 
 
 def snapshot() -> TrackerSnapshot:
-    """Both trackers of this rank as plain data (MoE entries in insertion order)."""
+    """Both trackers of this rank as plain data (MoE entries in insertion order).
+
+    The MTP tracker in megatron-core 0.19's layout (``loss_values``; missing counts read as
+    Megatron's defaults, 0 correct / 1 total) or 0.18's (``values``: the loss, no counts, so
+    ``correct``/``total`` are ``None``).
+    """
     moe = {
         name: EntrySnapshot(
             values=_floats(entry.values),
@@ -123,6 +168,10 @@ def snapshot() -> TrackerSnapshot:
     }
     tracker = MTPLossLoggingHelper.tracker
     mtp = None
+    groups = {
+        "reduce_group": _ranks(tracker.get("reduce_group")),
+        "avg_group": _ranks(tracker.get("avg_group")),
+    }
     if "loss_values" in tracker:
         loss = _floats(tracker["loss_values"])
         mtp = MtpSnapshot(
@@ -133,7 +182,8 @@ def snapshot() -> TrackerSnapshot:
             total=_floats(tracker["total_values"])
             if "total_values" in tracker
             else [1.0] * len(loss),
-            reduce_group=_ranks(tracker.get("reduce_group")),
-            avg_group=_ranks(tracker.get("avg_group")),
+            **groups,
         )
+    elif "values" in tracker:
+        mtp = MtpSnapshot(loss=_floats(tracker["values"]), **groups)
     return TrackerSnapshot(moe=moe, mtp=mtp)

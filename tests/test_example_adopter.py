@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.sim.trackers import mtp_counts_acceptance
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "ci" / "example-adopter"
 ACTION = REPO / "ci" / "action" / "action.yml"
@@ -89,9 +91,11 @@ def test_run_locally_catches_the_planted_bug(tmp_path: Path) -> None:
     assert "deadlock" in no_hang["message"], no_hang["message"]
     assert no_hang["counterexample"] is not None
     assert no_hang["replay"] and "pipemetrics replay" in no_hang["replay"]
-    # the toy defines only the two tracker helpers; its MTP helper is correct
+    # the toy defines only the two tracker helpers; its MTP helper is correct (it is written
+    # against megatron-core 0.19's MTP tracker, so with 0.18 it reports nothing: not checked)
     assert by_id["broadcast.roundtrip"]["status"] == "absent"
-    assert by_id["mtp.keys"]["status"] == "pass"
+    if mtp_counts_acceptance():
+        assert by_id["mtp.keys"]["status"] == "pass"
     # artifacts the action uploads, and the job summary it writes
     assert (out / "pipemetrics.xml").is_file()
     assert any((out / "pipemetrics-report").glob("*.json"))

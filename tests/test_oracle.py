@@ -279,6 +279,29 @@ def test_mtp_reduce_group_sums_before_average() -> None:
     assert all(m == {"mtp_1_loss": 5.0, "mtp_1_acceptance_rate": 50.0} for m in result.values())
 
 
+def test_mtp_without_counts_reports_loss_only() -> None:
+    # megatron-core 0.18's tracker: the loss only (correct/total None), no acceptance keys.
+    places = places_for(WorldSpec(dp=2))
+    snaps = {
+        r: TrackerSnapshot(
+            mtp=MtpSnapshot(loss=[2.0 * (r + 1)], avg_group=places[r].groups["dp_cp"])
+        )
+        for r in places
+    }
+    result = expected_mtp_metrics(snaps, places, MtpCall(loss_scale=0.5))
+    assert result == {0: {"mtp_1_loss": 1.5}, 1: {"mtp_1_loss": 1.5}}
+
+
+def test_mtp_holders_disagreeing_on_counts_are_rejected() -> None:
+    places = places_for(WorldSpec(dp=2))
+    snaps = {
+        0: TrackerSnapshot(mtp=MtpSnapshot(loss=[1.0], correct=[1.0], total=[1.0])),
+        1: TrackerSnapshot(mtp=MtpSnapshot(loss=[1.0])),
+    }
+    with pytest.raises(ValueError, match="acceptance counts"):
+        expected_mtp_metrics(snaps, places, MtpCall())
+
+
 def test_mtp_group_listing_a_rank_without_tracker_is_rejected() -> None:
     places = places_for(WorldSpec(dp=2))
     snaps = {0: TrackerSnapshot(mtp=mtp(places[0], [1.0], [1.0], [1.0]))}
@@ -322,3 +345,22 @@ def test_compare_metrics_reports_every_kind_of_difference() -> None:
     ]
     assert compare_metrics({"a": 1.0}, None) == ["result is of type NoneType, not dict: None"]
     assert compare_metrics({"a": 1.0}, {"a": 1.00001}) == []
+
+
+def test_tracker_snapshot_reads_both_mtp_layouts() -> None:
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from pipemetrics.sim.trackers import reset_trackers, snapshot
+
+    try:
+        # megatron-core 0.18: the loss only
+        MTPLossLoggingHelper.tracker = {"values": torch.tensor([1.0, 2.0]), "avg_group": None}
+        assert snapshot().mtp == MtpSnapshot(loss=[1.0, 2.0])
+        # megatron-core 0.19: loss and counts (missing counts read as Megatron's defaults)
+        MTPLossLoggingHelper.tracker = {"loss_values": torch.tensor([1.0]), "avg_group": None}
+        assert snapshot().mtp == MtpSnapshot(loss=[1.0], correct=[0.0], total=[1.0])
+        MTPLossLoggingHelper.tracker = {}
+        assert snapshot().mtp is None
+    finally:
+        reset_trackers()

@@ -10,11 +10,25 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.sim.trackers import mtp_counts_acceptance
+
 from .broken.mutants import MUTANTS, write_mutant
 from .test_properties_runner import check
 
+#: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
+#: counts (megatron-core 0.18) there is no rate to get wrong, so they cannot fail there.
+ACCEPTANCE_MUTANTS = frozenset({"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total"})
+_NO_COUNTS = pytest.mark.skipif(
+    not mtp_counts_acceptance(),
+    reason="the installed megatron-core's MTP tracker has no acceptance counts (0.18): "
+    "an acceptance-rate bug cannot show",
+)
 
-@pytest.mark.parametrize("name", sorted(MUTANTS))
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=_NO_COUNTS) if n in ACCEPTANCE_MUTANTS else n for n in sorted(MUTANTS)],
+)
 def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")

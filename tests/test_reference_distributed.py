@@ -14,6 +14,7 @@ from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import MtpRecord, StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import CallSpec, Scenario, Step
+from pipemetrics.sim.trackers import mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -113,7 +114,10 @@ def test_mtp_on_the_last_stage(pool: TrackingPool) -> None:
     assert_every_rank(result, {"load_balancing_loss": 0.5 * (0 + 2 + 4) / 3})
     mtp = values(result, call=1)
     assert mtp[0] == {}
-    assert mtp[1] == {"mtp_1_loss": 1.5, "mtp_1_acceptance_rate": 75.0}
+    if mtp_counts_acceptance():
+        assert mtp[1] == {"mtp_1_loss": 1.5, "mtp_1_acceptance_rate": 75.0}
+    else:  # megatron-core 0.18: the MTP tracker holds the loss only, no acceptance counts
+        assert mtp[1] == {"mtp_1_loss": 1.5}
 
 
 def test_z_loss_and_aux_loss_with_dense_stage_and_data_parallel(pool: TrackingPool) -> None:

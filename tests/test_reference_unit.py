@@ -510,6 +510,39 @@ def test_mtp_no_tracker_returns_empty() -> None:
     assert get_mtp_metrics(0.5) == {}
 
 
+def test_mtp_megatron_018_layout_reports_loss_only_and_cleans() -> None:
+    # megatron-core 0.18's save_loss_to_tracker: "values" (the loss), no acceptance counts.
+    MTPLossLoggingHelper.tracker = {
+        "values": torch.tensor([4.0, 8.0]),
+        "reduce_group": None,
+        "avg_group": None,
+    }
+    out = get_mtp_metrics(0.25)
+    assert out == {"mtp_1_loss": pytest.approx(1.0), "mtp_2_loss": pytest.approx(2.0)}
+    assert list(out) == ["mtp_1_loss", "mtp_2_loss"]
+    assert all(type(v) is float for v in out.values())
+    tracker = MTPLossLoggingHelper.tracker
+    assert torch.count_nonzero(tracker["values"]) == 0
+    assert tracker["reduce_group"] is None and tracker["avg_group"] is None
+    assert get_mtp_metrics() == {"mtp_1_loss": 0.0, "mtp_2_loss": 0.0}
+
+
+def test_mtp_metrics_through_the_installed_helper() -> None:
+    # Filled with whatever save method the installed megatron-core has (0.19: with counts).
+    from pipemetrics.sim.trackers import cpu_current_device, mtp_counts_acceptance, save_mtp
+
+    with cpu_current_device():
+        save_mtp(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(4.0), 0, 1)
+        out = get_mtp_metrics(0.5)
+    if mtp_counts_acceptance():
+        assert out == {"mtp_1_loss": 1.0, "mtp_1_acceptance_rate": 25.0}
+    else:
+        assert out == {"mtp_1_loss": 1.0}
+    assert all(
+        not bool(v.any()) for v in MTPLossLoggingHelper.tracker.values() if torch.is_tensor(v)
+    )
+
+
 # ----------------------------------------------------------------------------- broadcast
 
 

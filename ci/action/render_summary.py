@@ -6,7 +6,9 @@
 Standard library only, so it runs with any Python 3.10+ before or without pipemetrics installed.
 The action uses it when the installed ``pipemetrics check`` has no ``--markdown`` option.
 Output: a verdict line, a table of id / status / examples / seconds, then per failing property
-its message, minimal counterexample (a JSON code block) and replay command.
+its message, the layout picture (when the counterexample carries one under ``"picture"``: stages
+by layers, each rank's groups, where each rank stood), the minimal counterexample (a JSON code
+block) and the replay command.
 """
 
 from __future__ import annotations
@@ -57,11 +59,18 @@ def render(report: dict, title: str) -> str:
         lines += ["", f"### ❌ `{p.get('id')}` ({p.get('function')}): {p.get('status')}{xfail}", ""]
         if p.get("message"):
             lines += [_fence(str(p["message"])), ""]
-        if p.get("counterexample") is not None:
+        counterexample = p.get("counterexample")
+        picture = None
+        if isinstance(counterexample, dict) and "picture" in counterexample:
+            counterexample = dict(counterexample)
+            picture = counterexample.pop("picture")
+        if picture:
+            lines += ["Layout and where each rank stood:", "", _fence(str(picture), "text"), ""]
+        if counterexample is not None:
             lines += [
                 "<details open><summary>minimal counterexample</summary>",
                 "",
-                _fence(json.dumps(p["counterexample"], indent=2, sort_keys=False), "json"),
+                _fence(json.dumps(counterexample, indent=2, sort_keys=False), "json"),
                 "",
                 "</details>",
                 "",

@@ -376,8 +376,8 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                'losses = tracker["loss_values"].float() * loss_scale\n',
-                'losses = tracker["loss_values"].float()\n',
+                "losses = tracker[loss_key].float() * loss_scale\n",
+                "losses = tracker[loss_key].float()\n",
             ),
         ),
         fails=("mtp.loss_scale",),

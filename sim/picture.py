@@ -1,0 +1,208 @@
+"""A plain-text picture of a world's layout and of where each rank stood when a verdict came.
+
+`layout_picture` draws three blocks, every line at most `MAX_WIDTH` columns and without colour
+codes, so it reads the same in a terminal, a log file and a Markdown ``text`` block:
+
+* the pipeline stages by layers, one row per stage (``D3`` a dense main layer numbered 3, ``M4``
+  a MoE layer, ``T1``/``t1`` MTP layer 1 with/without MoE), with the ranks of each stage;
+* each rank's coordinates and the members of the groups the metric helpers reduce over
+  (``pp``, ``dp``, ``tp_cp``, ``tp_dp_cp``);
+* with a verdict: each rank's state at that moment, a pending collective (op, group role,
+  signature) with its call site, or ``returned``, ``running``, ``died (exit code N)``.
+
+It needs no processes: places may come from a finished run (``RankResult.place``) or from
+`pipemetrics.sim.topology.places_for`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from pipemetrics.sim.coordinator import Verdict, group_roles
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.protocol import CollectiveCall
+from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.topology import places_for
+
+if TYPE_CHECKING:
+    from pipemetrics.sim.world import WorldRun
+
+MAX_WIDTH = 100
+GROUP_COLUMNS: tuple[str, ...] = ("pp", "dp", "tp_cp", "tp_dp_cp")
+"""The groups shown per rank: the ones the MoE and MTP trackers reduce over."""
+LEGEND = "D dense, M MoE, T MTP with MoE, t MTP dense; the number is the layer"
+_MAX_CELL = 18
+_SITE_PACKAGES = re.compile(r"^.*?[/\\](?:site|dist)-packages[/\\]")
+
+
+def member_list(ranks: tuple[int, ...] | list[int]) -> str:
+    """``0-3``, ``0,4``, ``0-2,5``: ascending ranks with consecutive runs collapsed."""
+    values = sorted(set(ranks))
+    if not values:
+        return "-"
+    parts: list[str] = []
+    start = prev = values[0]
+    for value in [*values[1:], None]:
+        if value is not None and value == prev + 1:
+            prev = value
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if value is not None:
+            start = prev = value
+    return ",".join(parts)
+
+
+def short_site(site: str) -> str:
+    """A call site without the interpreter's install prefix (``megatron/core/...:277 in f``)."""
+    return _SITE_PACKAGES.sub("", site)
+
+
+def _clip(text: str, width: int = MAX_WIDTH) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _stage_cells(setup: Setup, stage: int) -> list[tuple[str, int]]:
+    """(kind letter, layer number) for every layer of ``stage``, MTP layers last."""
+    cells = [
+        ("M" if setup.layout.is_moe_layer(n) else "D", n) for n in setup.stage_layer_numbers(stage)
+    ]
+    mtp = "T" if setup.layout.mtp_is_moe else "t"
+    cells += [(mtp, k) for k in setup.mtp_layers_on_stage(stage)]
+    return cells
+
+
+def _stage_text(cells: list[tuple[str, int]], width: int) -> str:
+    """``D1 D2 M3`` when it fits in ``width``, else runs: ``D1-2 M3-40 T1``."""
+    if not cells:
+        return "(no layers)"
+    plain = " ".join(f"{kind}{n}" for kind, n in cells)
+    if len(plain) <= width:
+        return plain
+    runs: list[tuple[str, int, int]] = []
+    for kind, n in cells:
+        if runs and runs[-1][0] == kind and runs[-1][2] == n - 1:
+            runs[-1] = (kind, runs[-1][1], n)
+        else:
+            runs.append((kind, n, n))
+    return " ".join(f"{k}{a}" if a == b else f"{k}{a}-{b}" for k, a, b in runs)
+
+
+def _stage_rows(setup: Setup, places: dict[int, RankPlace]) -> list[str]:
+    pp = setup.world.pp
+    stage_width = max(24, MAX_WIDTH - 48)
+    texts = [
+        _clip(_stage_text(_stage_cells(setup, s), stage_width), stage_width) for s in range(pp)
+    ]
+    pad = max(len(t) for t in texts)
+    label = len(str(pp - 1))
+    rows = []
+    for stage, text in enumerate(texts):
+        ranks = [r for r, p in sorted(places.items()) if p.pp_rank == stage]
+        note = "" if setup.records_moe(stage) else " (no MoE router)"
+        rows.append(f"  stage {stage:>{label}} | {text:<{pad}} | ranks {member_list(ranks)}{note}")
+    return rows
+
+
+def _group_rows(places: dict[int, RankPlace]) -> list[str]:
+    header = ["rank", "pp", "tp", "cp", "dp", *GROUP_COLUMNS]
+    rows = [
+        [
+            str(rank),
+            str(place.pp_rank),
+            str(place.tp_rank),
+            str(place.cp_rank),
+            str(place.dp_rank),
+            *(_clip(member_list(place.groups.get(g, ())), _MAX_CELL) for g in GROUP_COLUMNS),
+        ]
+        for rank, place in sorted(places.items())
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        coords = " ".join(f"{c:>{w}}" for c, w in zip(cells[:5], widths[:5], strict=True))
+        groups = "  ".join(f"{c:<{w}}" for c, w in zip(cells[5:], widths[5:], strict=True))
+        return f"  {coords} | {groups}".rstrip()
+
+    return [line(header), *(line(row) for row in rows)]
+
+
+def _pending_lines(call: CollectiveCall, place: RankPlace | None) -> list[str]:
+    roles = group_roles(call.group_ranks, place)
+    head = (
+        f"blocked in {call.op} #{call.index} on {roles} [{member_list(call.group_ranks)}] "
+        f"(pg {call.group_name})"
+    )
+    lines = [head]
+    if call.signature:
+        lines.append(", ".join(f"{k}={v}" for k, v in call.signature))
+    site = short_site(call.call_site[0]) if call.call_site else "unknown call site"
+    lines.append(f"at {site}")
+    return lines
+
+
+def _state_lines(verdict: Verdict, rank: int, place: RankPlace | None) -> list[str]:
+    if rank in verdict.pending:
+        return _pending_lines(verdict.pending[rank], place)
+    if rank in verdict.crashed:
+        code = verdict.crashed[rank]
+        return [f"died (exit code {code})" if code is not None else "died (unknown exit code)"]
+    if rank in verdict.finished:
+        return ["returned"]
+    if rank in verdict.running:
+        if verdict.kind == "timeout":
+            return ["running (never reached a collective or returned)"]
+        return ["running"]
+    return ["unknown"]
+
+
+def _verdict_rows(verdict: Verdict, places: dict[int, RankPlace]) -> list[str]:
+    ranks = sorted(
+        set(places)
+        | set(verdict.pending)
+        | set(verdict.finished)
+        | set(verdict.running)
+        | set(verdict.crashed)
+    )
+    label = max(len(str(r)) for r in ranks) if ranks else 1
+    rows = [f"where each rank stood at the verdict ({verdict.kind}):"]
+    for rank in ranks:
+        first, *rest = _state_lines(verdict, rank, places.get(rank))
+        head = f"  rank {rank:>{label}}  "
+        rows.append(head + first)
+        rows += [" " * (len(head) + 2) + text for text in rest]
+    return rows
+
+
+def layout_picture(
+    setup: Setup, places: dict[int, RankPlace], verdict: Verdict | None = None
+) -> str:
+    """The stages by layers, each rank's groups and, with ``verdict``, where each rank stood.
+
+    Plain text, no line longer than `MAX_WIDTH`.
+    """
+    world, layout = setup.world, setup.layout
+    mtp = f" + {layout.mtp_num_layers} MTP" if layout.mtp_num_layers else ""
+    lines = [
+        f"model: {layout.num_layers} layers{mtp} over pp {world.pp} (tp {world.tp}, "
+        f"cp {world.cp}, dp {world.dp}, ep {world.ep}; {world.world_size} ranks, "
+        f"{world.backend})",
+        f"stages ({LEGEND}):",
+        *_stage_rows(setup, places),
+        "ranks (coordinates | members of the groups the metrics reduce over):",
+        *_group_rows(places),
+    ]
+    if verdict is not None:
+        lines += _verdict_rows(verdict, places)
+    return "\n".join(_clip(line) for line in lines)
+
+
+def run_picture(setup: Setup, run: WorldRun) -> str:
+    """`layout_picture` of a finished run: the places its ranks reported, and its verdict.
+
+    Ranks that never reported a place (a world that could not start) are computed with
+    `places_for`.
+    """
+    places = places_for(setup.world)
+    places.update({rank: result.place for rank, result in run.ranks.items()})
+    return layout_picture(setup, places, run.verdict)

@@ -1,0 +1,50 @@
+"""The failure report people read: the layout picture in the terminal, the Markdown summary and
+the JSON counterexample of ``pipemetrics check`` against a mutant that hangs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .broken.mutants import write_mutant
+from .test_properties_runner import check
+
+
+def picture_checks(text: str) -> None:
+    """The minimal counterexample: pp=2, a stage with MoE blocked in the pp all_reduce of
+    Megatron's _sync_metrics, the stage without MoE returned."""
+    assert "stage 0 |" in text and "stage 1 |" in text, text
+    assert "where each rank stood at the verdict (deadlock):" in text, text
+    assert "blocked in all_reduce" in text, text
+    assert "moe_logging.py:" in text and " in _sync_metrics" in text, text
+    assert "returned" in text, text
+
+
+def test_check_failure_report_shows_the_picture(tmp_path: Path) -> None:
+    path = write_mutant("moe_empty_stage_returns_early", tmp_path / "mutants")
+    markdown = tmp_path / "summary.md"
+    code, data, output = check(
+        tmp_path, "--impl", str(path), "--only", "moe.no_hang", "--max-examples", "20",
+        "--seed", "0", "--hypothesis-profile", "dev", "--shrink-seconds", "10",
+        "--markdown", str(markdown), timeout=400,
+    )  # fmt: skip
+    assert code == 1, output
+    assert data is not None, output
+    # stdout: the picture sits in the failure's counterexample section
+    section = output.split("=== FAIL: moe.no_hang")[1].split("reproduce with:")[0]
+    picture_checks(section.split("minimal counterexample:")[1])
+    assert "deadlock: deadlock" not in output
+    # JSON: the counterexample carries the same picture; the entry keys are unchanged
+    (entry,) = data["properties"]
+    assert entry["status"] == "fail"
+    picture_checks(entry["counterexample"]["picture"])
+    assert entry["counterexample"]["setup"]["world"]["pp"] == 2
+    # Markdown: the table, the message, the picture as text, the scenario as JSON, the replay
+    md = markdown.read_text(encoding="utf-8")
+    assert "| `moe.no_hang` | `get_moe_metrics` | fail |" in md
+    assert "```text\ndeadlock: rank" in md
+    picture = md.split("Layout and where each rank stood:")[1].split("```text\n")[1]
+    picture_checks(picture.split("\n```")[0])
+    scenario = json.loads(md.split("```json\n")[1].split("\n```")[0])
+    assert scenario["setup"] == entry["counterexample"]["setup"]
+    assert f"```bash\n{entry['replay']}\n```" in md
