@@ -70,6 +70,22 @@ def fork_context() -> Any:
     return context
 
 
+UNIX_SOCKET_PATH_MAX = 107
+
+
+def _check_socket_room() -> None:
+    """Fail clearly when the fork server's unix socket would not fit under TMPDIR."""
+    if getattr(getattr(forkserver, "_forkserver", None), "_forkserver_address", None):
+        return  # already listening
+    sample = os.path.join(tempfile.gettempdir(), "pymp-xxxxxxxx", "listener-xxxxxxxx")
+    if len(sample.encode()) > UNIX_SOCKET_PATH_MAX:
+        raise WorldStartError(
+            f"TMPDIR: {tempfile.gettempdir()!r} is too long for the fork server's unix socket "
+            f"({len(sample.encode())} of at most {UNIX_SOCKET_PATH_MAX} bytes); set TMPDIR to "
+            "a shorter directory"
+        )
+
+
 def _forkserver_directory() -> list[str]:
     """multiprocessing's private directory holding the fork server's socket, if any."""
     address = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_address", None)
@@ -186,11 +202,12 @@ class World:
         began = time.monotonic()
         spawned = self.start_method == "spawn"
         context = multiprocessing.get_context("spawn") if spawned else fork_context()
-        if not spawned:
-            forkserver.ensure_running()
-        leftovers = [self.directory, *_forkserver_directory()]
         spec_json = self.spec.model_dump_json()
         try:
+            if not spawned:
+                _check_socket_room()
+                forkserver.ensure_running()
+            leftovers = [self.directory, *_forkserver_directory()]
             for rank in range(self.spec.world_size):
                 ours, theirs = context.Pipe(duplex=True)
                 proc = (context.Process if spawned else _RankProcess)(

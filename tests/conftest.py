@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import tempfile
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +66,55 @@ def pool() -> Iterator[TrackingPool]:
     finally:
         tracking.close()
         assert_nothing_left(tracking.all_pids, tracking.all_dirs)
+
+
+@contextmanager
+def private_tmpdir() -> Iterator[Path]:
+    """A fresh, short TMPDIR for a subprocess under test, removed afterwards.
+
+    Short because multiprocessing puts a unix socket below it (108-byte path limit); private so
+    that whatever the subprocess leaves behind is found, and every process it started is
+    recognised by its environment.
+    """
+    path = Path(tempfile.mkdtemp(prefix="pm-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def leftovers_in(tmp: Path) -> tuple[list[str], list[int]]:
+    """World directories under ``tmp``, and live processes started with TMPDIR=``tmp``."""
+    dirs = sorted(str(p) for p in tmp.glob("pipemetrics-world-*"))
+    marker = f"TMPDIR={tmp}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker in environ.split(b"\0") and state != "Z":
+            pids.append(int(proc.name))
+    return dirs, pids
+
+
+def assert_no_leftovers(tmp: Path, grace_s: float = 10.0) -> None:
+    """No world directory under ``tmp`` and no live process started with TMPDIR=``tmp``."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        dirs, pids = leftovers_in(tmp)
+        if (not dirs and not pids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not dirs, f"world directories left behind: {dirs}"
+    assert not pids, f"processes left behind: {pids}"
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """`private_tmpdir` as a fixture."""
+    with private_tmpdir() as path:
+        yield path

@@ -13,34 +13,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
+from .conftest import assert_no_leftovers, private_tmpdir
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "ci" / "example-adopter"
 ACTION = REPO / "ci" / "action" / "action.yml"
 TIMEOUT_S = 600.0
-
-
-def _leftovers(tmp: Path) -> tuple[list[str], list[int]]:
-    dirs = sorted(str(p) for p in tmp.glob("pipemetrics-world-*"))
-    marker = f"TMPDIR={tmp}".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes()
-            state = (proc / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if marker in environ.split(b"\0") and state != "Z":
-            pids.append(int(proc.name))
-    return dirs, pids
 
 
 def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
@@ -71,15 +55,11 @@ def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_run_locally_catches_the_planted_bug(tmp_path: Path) -> None:
-    out, tmp = tmp_path / "out", tmp_path / "tmp"
-    tmp.mkdir()
-    proc = _run_script(out, tmp)
+    out = tmp_path / "out"
+    with private_tmpdir() as tmp:
+        proc = _run_script(out, tmp)
+        assert_no_leftovers(tmp)
     output = proc.stdout
-
-    deadline = time.monotonic() + 10
-    while _leftovers(tmp) != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _leftovers(tmp) == ([], []), "world directories or processes left behind"
 
     assert proc.returncode == 1, output[-4000:]
     report = json.loads((out / "pipemetrics.json").read_text(encoding="utf-8"))

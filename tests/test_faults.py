@@ -60,7 +60,6 @@ def shm_segments() -> set[str]:
 
 
 def private_env(tmp: Path) -> dict[str, str]:
-    tmp.mkdir(exist_ok=True)
     return {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"}
 
 
@@ -82,22 +81,16 @@ def assert_clean(pids: set[int], tmp: Path, shm_before: set[str]) -> None:
     assert shm_segments() <= shm_before, shm_segments() - shm_before
 
 
-def start_check(tmp: Path, *extra: str) -> subprocess.Popen[str]:
+def long_check(report_dir: Path) -> list[str]:
+    """A check that runs long enough to be interrupted while its worlds are live."""
+    return [*CLI, "check", "--only", "moe.values", "--max-examples", "200",
+            "--database", "none", "--report-dir", str(report_dir)]  # fmt: skip
+
+
+def start_check(tmp: Path, private: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            *CLI,
-            "check",
-            "--only",
-            "moe.values",
-            "--max-examples",
-            "200",
-            "--database",
-            "none",
-            "--report-dir",
-            str(tmp / "report"),
-            *extra,
-        ],
-        env=private_env(tmp / "tmp"),
+        [*long_check(tmp / "report"), *extra],
+        env=private_env(private),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -109,9 +102,9 @@ def ranks_started(proc: subprocess.Popen[str]) -> bool:
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_runner_mid_run(tmp_path: Path, how: signal.Signals) -> None:
+def test_signal_to_the_runner_mid_run(tmp_path: Path, short_tmp: Path, how: signal.Signals) -> None:
     shm_before = shm_segments()
-    proc = start_check(tmp_path)
+    proc = start_check(tmp_path, short_tmp)
     try:
         assert wait_for(lambda: ranks_started(proc), BOUND_S), "no world was started"
         time.sleep(1.0)
@@ -119,16 +112,16 @@ def test_signal_to_the_runner_mid_run(tmp_path: Path, how: signal.Signals) -> No
         proc.send_signal(how)
         proc.wait(timeout=60)
         assert proc.returncode != 0
-        assert_clean(pids, tmp_path / "tmp", shm_before)
+        assert_clean(pids, short_tmp, shm_before)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_the_runners_parent_dying(tmp_path: Path) -> None:
+def test_the_runners_parent_dying(tmp_path: Path, short_tmp: Path) -> None:
     shm_before = shm_segments()
-    tmp = tmp_path / "tmp"
+    tmp = short_tmp
     launcher = subprocess.Popen(
         [
             sys.executable,
@@ -136,20 +129,7 @@ def test_the_runners_parent_dying(tmp_path: Path) -> None:
             textwrap.dedent(
                 f"""
                 import subprocess, sys, time
-                child = subprocess.Popen({
-                    [
-                        *CLI,
-                        "check",
-                        "--only",
-                        "moe.values",
-                        "--max-examples",
-                        "200",
-                        "--database",
-                        "none",
-                        "--report-dir",
-                        str(tmp_path / "report"),
-                    ]!r
-                },
+                child = subprocess.Popen({long_check(tmp_path / "report")!r},
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 print(child.pid, flush=True)
                 time.sleep(600)
@@ -175,8 +155,8 @@ def test_the_runners_parent_dying(tmp_path: Path) -> None:
             launcher.wait()
 
 
-def test_two_runners_at_once_do_not_collide(tmp_path: Path) -> None:
-    shared_tmp = tmp_path / "tmp"
+def test_two_runners_at_once_do_not_collide(tmp_path: Path, short_tmp: Path) -> None:
+    shared_tmp = short_tmp
     procs = [
         subprocess.Popen(
             [
@@ -217,7 +197,9 @@ def test_two_runners_at_once_do_not_collide(tmp_path: Path) -> None:
         ("import pipemetrics_no_such_module_xyz\n", "ModuleNotFoundError"),
     ],
 )
-def test_broken_target_is_a_clear_usage_error(tmp_path: Path, body: str, expected: str) -> None:
+def test_broken_target_is_a_clear_usage_error(
+    tmp_path: Path, short_tmp: Path, body: str, expected: str
+) -> None:
     target = tmp_path / "target.py"
     target.write_text(body)
     result = subprocess.run(
@@ -225,14 +207,14 @@ def test_broken_target_is_a_clear_usage_error(tmp_path: Path, body: str, expecte
         capture_output=True,
         text=True,
         timeout=BOUND_S,
-        env=private_env(tmp_path / "tmp"),
+        env=private_env(short_tmp),
     )
     assert result.returncode == 2, result.stdout + result.stderr
     assert expected in result.stdout + result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_missing_functions_are_absent_not_failures(tmp_path: Path) -> None:
+def test_missing_functions_are_absent_not_failures(tmp_path: Path, short_tmp: Path) -> None:
     target = tmp_path / "partial.py"
     target.write_text(
         "def _round_up_to_multiple(value, multiple):\n    return -(-value // multiple) * multiple\n"
@@ -243,7 +225,7 @@ def test_missing_functions_are_absent_not_failures(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=BOUND_S,
-        env=private_env(tmp_path / "tmp"),
+        env=private_env(short_tmp),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     statuses = {p["id"]: p["status"] for p in json.loads(report.read_text())["properties"]}

@@ -15,20 +15,19 @@ import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
 
-from .test_properties_runner import assert_no_leftovers
+from .conftest import assert_no_leftovers, private_tmpdir
 
 
 def run_pytest(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
-    tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
-    env = dict(os.environ, TMPDIR=str(tmp))
-    env.pop("PYTEST_XDIST_WORKER", None)
-    env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    assert_no_leftovers(tmp)
+    with private_tmpdir() as tmp:
+        env = dict(os.environ, TMPDIR=str(tmp))
+        env.pop("PYTEST_XDIST_WORKER", None)
+        env.pop("PYTEST_ADDOPTS", None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        assert_no_leftovers(tmp)
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
+
+from .conftest import assert_no_leftovers, private_tmpdir
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
@@ -29,35 +30,6 @@ ENTRY_KEYS = {
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.errors_everywhere"]
 
 
-def _leftovers(tmp: Path) -> tuple[list[str], list[int]]:
-    dirs = sorted(str(p) for p in tmp.glob("pipemetrics-world-*"))
-    marker = f"TMPDIR={tmp}".encode()
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = (proc / "environ").read_bytes()
-            state = (proc / "stat").read_text().split()[2]
-        except OSError:
-            continue
-        if marker in environ.split(b"\0") and state != "Z":
-            pids.append(int(proc.name))
-    return dirs, pids
-
-
-def assert_no_leftovers(tmp: Path, grace_s: float = 10.0) -> None:
-    """No world directory under ``tmp`` and no live process started with TMPDIR=``tmp``."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        dirs, pids = _leftovers(tmp)
-        if (not dirs and not pids) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not dirs, f"world directories left behind: {dirs}"
-    assert not pids, f"processes left behind: {pids}"
-
-
 def check(
     tmp_path: Path,
     *args: str,
@@ -66,18 +38,17 @@ def check(
     env: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, Any] | None, str]:
     """Run ``pipemetrics check`` with a private TMPDIR and report dir; assert no leftovers."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir(exist_ok=True)
     out = tmp_path / "report.json"
-    env = dict(os.environ, **(env or {}), TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
     command = [
         sys.executable, "-m", "pipemetrics.properties.cli", "check",
         "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args,
     ]  # fmt: skip
-    proc = subprocess.run(
-        command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert_no_leftovers(tmp)
+    with private_tmpdir() as tmp:
+        env = dict(os.environ, **(env or {}), TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
+        proc = subprocess.run(
+            command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout
+        )
+        assert_no_leftovers(tmp)
     data = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, data, proc.stdout + proc.stderr
 

@@ -452,3 +452,27 @@ def test_classes_defined_in_a_path_target_pickle_between_ranks(
     assert run.verdict.kind == "ok", run.verdict.message
     for result in run.ranks.values():
         assert result.done is not None and result.done.reports[0].value == {"ranks": 1.0}
+
+
+def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    code = (
+        "from pipemetrics.sim import World, WorldSpec, WorldStartError\n"
+        "try:\n"
+        "    World(WorldSpec(pp=2)).start()\n"
+        "except WorldStartError as exc:\n"
+        "    print(exc)\n"
+        "    raise SystemExit(3)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "TMPDIR": str(deep)},
+    )
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "TMPDIR" in result.stdout and "shorter directory" in result.stdout
+    ours = [*deep.glob("pipemetrics-world-*"), *deep.glob("pymp-*")]
+    assert not ours, f"left in TMPDIR: {ours}"
