@@ -16,11 +16,6 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-EXIT_OK = 0
-EXIT_FAIL = 1
-EXIT_USAGE = 2
-
-
 PARENT_POLL_S = 0.2
 
 
