@@ -118,3 +118,16 @@ def short_tmp() -> Iterator[Path]:
     """`private_tmpdir` as a fixture."""
     with private_tmpdir() as path:
         yield path
+
+
+@pytest.fixture
+def fresh_trackers() -> Iterator[None]:
+    """Megatron's MoE and MTP trackers empty before and after a single-process test."""
+    import torch.distributed as dist
+
+    from pipemetrics.sim.trackers import reset_trackers
+
+    assert not dist.is_initialized()
+    reset_trackers()
+    yield
+    reset_trackers()

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import inspect
 import itertools
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
 import torch
-import torch.distributed as dist
 from megatron.core.transformer.moe.moe_logging import (
-    destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
 )
 from megatron.core.transformer.moe.router import TopKRouter
@@ -42,14 +39,7 @@ GLOBAL = "global_load_balancing_loss"
 Z = "z_loss"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_trackers() -> Iterator[None]:
-    assert not dist.is_initialized()
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
-    yield
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
+pytestmark = pytest.mark.usefixtures("fresh_trackers")
 
 
 # ----------------------------------------------------------------------------- exports

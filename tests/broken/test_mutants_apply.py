@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -41,14 +41,7 @@ GLOBAL = "global_load_balancing_loss"
 Z = "z_loss"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_trackers() -> Iterator[None]:
-    assert not dist.is_initialized()
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
-    yield
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
+pytestmark = pytest.mark.usefixtures("fresh_trackers")
 
 
 def _load(path: Path) -> ModuleType:
