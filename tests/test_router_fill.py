@@ -23,7 +23,7 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.router_fill import RouterStage
-from pipemetrics.sim.trackers import cpu_current_device, mtp_counts_acceptance
+from pipemetrics.sim.trackers import cpu_current_device, mtp_counts_acceptance, reset_trackers
 
 #: The MTP tracker's loss key: megatron-core 0.19 ``save_metrics_to_tracker`` / 0.18
 #: ``save_loss_to_tracker``.
@@ -50,11 +50,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 @pytest.fixture
 def fresh(world: None) -> Iterator[None]:
     """Empty MoE and MTP trackers before and after each test (both are process-global)."""
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker.clear()
+    reset_trackers()
     yield
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker.clear()
+    reset_trackers()
 
 
 def _nonzero_slots(values: torch.Tensor) -> list[int]:

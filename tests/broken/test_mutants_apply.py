@@ -26,6 +26,8 @@ from megatron.core.transformer.moe.moe_logging import (
 )
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from pipemetrics.sim.trackers import reset_trackers
+
 from .mutants import (
     MUTANTS,
     REFERENCE_PATH,
@@ -465,8 +467,7 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
 
 
 def _observe(check: Check, module: ModuleType, monkeypatch: pytest.MonkeyPatch) -> Any:
-    destroy_moe_metrics_tracker()
-    MTPLossLoggingHelper.tracker = {}
+    reset_trackers()
     try:
         return check(module, monkeypatch)
     finally:
