@@ -1,4 +1,4 @@
-"""Where every rank sits in a Megatron world, computed or read from a live ``parallel_state``.
+"""Where every rank sits in a Megatron world, computed without any process.
 
 `places_for` is pure arithmetic: it reproduces the coordinates and group member lists that
 megatron-core 0.19's ``parallel_state.initialize_model_parallel`` builds with its default order
@@ -10,8 +10,9 @@ parallel size equal to the tensor parallel size, ``gtp_remat`` sizes of 1)::
 The expert grid re-factors the ``cp * dp`` ranks of a pipeline stage as ``ep * expert_dp`` with
 expert-parallel ranks adjacent, so an ``ep`` group holds ``ep`` consecutive ``(cp, dp)`` indices.
 
-`rank_place_from_parallel_state` reads the same facts from the live ``parallel_state`` of the
-calling rank, under the same group role names.
+A rank process reads the same facts from its live ``parallel_state``
+(`pipemetrics.sim.rank.place_of`), under the same group role names; the tests check that the two
+agree.
 """
 
 from __future__ import annotations
@@ -112,35 +113,3 @@ def places_for(world: WorldSpec) -> dict[int, RankPlace]:
     tp_dp_cp, ep.
     """
     return {rank: place_of(world, rank) for rank in range(world.world_size)}
-
-
-def rank_place_from_parallel_state() -> RankPlace:
-    """Read the calling rank's `RankPlace` from the live, initialised ``parallel_state``.
-
-    Needs an initialised default process group and ``initialize_model_parallel`` to have run.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    def ranks(group: dist.ProcessGroup) -> Ranks:
-        return tuple(dist.get_process_group_ranks(group))
-
-    groups: dict[str, Ranks] = {
-        "world": tuple(range(dist.get_world_size())),
-        "tp": ranks(ps.get_tensor_model_parallel_group()),
-        "pp": ranks(ps.get_pipeline_model_parallel_group()),
-        "cp": ranks(ps.get_context_parallel_group()),
-        "dp": ranks(ps.get_data_parallel_group(with_context_parallel=False)),
-        "dp_cp": ranks(ps.get_data_parallel_group(with_context_parallel=True)),
-        "tp_cp": ranks(ps.get_tensor_and_context_parallel_group()),
-        "tp_dp_cp": ranks(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
-        "ep": ranks(ps.get_expert_model_parallel_group()),
-    }
-    return RankPlace(
-        rank=dist.get_rank(),
-        tp_rank=int(ps.get_tensor_model_parallel_rank()),
-        pp_rank=int(ps.get_pipeline_model_parallel_rank()),
-        cp_rank=int(ps.get_context_parallel_rank()),
-        dp_rank=int(ps.get_data_parallel_rank(with_context_parallel=False)),
-        groups=groups,
-    )

@@ -23,6 +23,7 @@ from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.summary import run_passed
+from pipemetrics.sim.topology import places_for
 
 from .conftest import TrackingPool, assert_nothing_left, pid_alive
 
@@ -476,3 +477,8 @@ def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path) -> None:
     assert "TMPDIR" in result.stdout and "shorter directory" in result.stdout
     ours = [*deep.glob("pipemetrics-world-*"), *deep.glob("pymp-*")]
     assert not ours, f"left in TMPDIR: {ours}"
+
+
+@pytest.mark.parametrize("world", [WorldSpec(pp=2, dp=2), WorldSpec(tp=2, pp=2)])
+def test_live_places_match_the_arithmetic(pool: TrackingPool, world: WorldSpec) -> None:
+    assert pool.world(world).places == places_for(world)
