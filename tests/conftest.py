@@ -9,6 +9,8 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -131,3 +133,44 @@ def fresh_trackers() -> Iterator[None]:
     reset_trackers()
     yield
     reset_trackers()
+
+
+def run_bounded(
+    command: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` in its own session; past ``timeout`` SIGTERM it (the CLI then ends its
+    worlds), SIGKILL the whole group 30 s later, and fail the test."""
+    proc = subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(command)} ran past {timeout} s:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+def set_mtp_tracker(loss: list[float], correct: list[float], total: list[float]) -> None:
+    """A megatron-core 0.19 MTP tracker holding these per-layer values, without groups."""
+    import torch
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker = {
+        "loss_values": torch.tensor(loss),
+        "correct_values": torch.tensor(correct),
+        "total_values": torch.tensor(total),
+        "reduce_group": None,
+        "avg_group": None,
+    }

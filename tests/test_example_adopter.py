@@ -10,16 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
-from .conftest import assert_no_leftovers, private_tmpdir
+from .conftest import assert_no_leftovers, private_tmpdir, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "ci" / "example-adopter"
@@ -36,22 +33,9 @@ def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
         HYPOTHESIS_STORAGE_DIRECTORY=str(tmp / ".hypothesis"),  # not in the checkout
         TMPDIR=str(tmp),
     )
-    command = ["bash", str(EXAMPLE / "run-locally.sh")]
-    proc = subprocess.Popen(
-        command, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the CLI ends its worlds on SIGTERM
-        try:
-            output, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        pytest.fail(f"run-locally.sh ran past {TIMEOUT_S} s:\n{output[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, output, "")
+    return run_bounded(
+        ["bash", str(EXAMPLE / "run-locally.sh")], cwd=tmp, env=env, timeout=TIMEOUT_S
+    )
 
 
 def test_run_locally_catches_the_planted_bug(tmp_path: Path) -> None:

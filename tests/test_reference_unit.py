@@ -33,6 +33,8 @@ from pipemetrics.reference import (
 )
 from pipemetrics.reference import megatron_common as mc
 
+from .conftest import set_mtp_tracker
+
 AUX = "load_balancing_loss"
 SEQ = "seq_load_balancing_loss"
 GLOBAL = "global_load_balancing_loss"
@@ -444,18 +446,8 @@ def test_plan_argument_error_wins() -> None:
 # ----------------------------------------------------------------------------- MTP (local mode)
 
 
-def _mtp(loss: list[float], correct: list[float], total: list[float]) -> None:
-    MTPLossLoggingHelper.tracker = {
-        "loss_values": torch.tensor(loss),
-        "correct_values": torch.tensor(correct),
-        "total_values": torch.tensor(total),
-        "reduce_group": None,
-        "avg_group": None,
-    }
-
-
 def test_mtp_metrics_keys_and_values() -> None:
-    _mtp([4.0, 8.0], [3.0, 0.0], [4.0, 0.0])
+    set_mtp_tracker([4.0, 8.0], [3.0, 0.0], [4.0, 0.0])
     out = get_mtp_metrics(0.25)
     assert out == {
         "mtp_1_loss": pytest.approx(1.0),
@@ -467,7 +459,7 @@ def test_mtp_metrics_keys_and_values() -> None:
 
 
 def test_mtp_acceptance_rate_not_scaled_and_clamped() -> None:
-    _mtp([1.0, 1.0], [5.0, -2.0], [4.0, 4.0])
+    set_mtp_tracker([1.0, 1.0], [5.0, -2.0], [4.0, 4.0])
     out = get_mtp_metrics(10.0)
     assert out["mtp_1_acceptance_rate"] == 100.0
     assert out["mtp_2_acceptance_rate"] == 0.0
@@ -475,12 +467,12 @@ def test_mtp_acceptance_rate_not_scaled_and_clamped() -> None:
 
 
 def test_mtp_default_loss_scale_is_one() -> None:
-    _mtp([3.0], [1.0], [2.0])
+    set_mtp_tracker([3.0], [1.0], [2.0])
     assert get_mtp_metrics()["mtp_1_loss"] == pytest.approx(3.0)
 
 
 def test_mtp_metrics_cleans_tracker() -> None:
-    _mtp([3.0], [1.0], [2.0])
+    set_mtp_tracker([3.0], [1.0], [2.0])
     get_mtp_metrics()
     tracker = MTPLossLoggingHelper.tracker
     assert tracker["reduce_group"] is None and tracker["avg_group"] is None

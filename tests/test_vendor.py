@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.summary import run_passed
 
-from .conftest import TrackingPool
+from .conftest import TrackingPool, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
@@ -126,29 +125,9 @@ def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) 
     assert run.collectives_released > 0
 
 
-def _run_bounded(command: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in its own session; on timeout SIGTERM it (the CLI then ends its worlds),
-    then SIGKILL the group, and fail."""
-    proc = subprocess.Popen(
-        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(command)} ran past {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
-
-
 def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path) -> None:
     report = tmp_path / "report.json"
-    proc = _run_bounded(
+    proc = run_bounded(
         [
             *CLI, "check", "--impl", str(vendored), "--max-examples", "3", "--seed", "1",
             "--json", str(report), "--report-dir", str(tmp_path / "pipemetrics-report"),

@@ -24,10 +24,10 @@ from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
 )
-from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.sim.trackers import reset_trackers
 
+from ..conftest import set_mtp_tracker
 from .mutants import (
     MUTANTS,
     REFERENCE_PATH,
@@ -233,16 +233,6 @@ def _record(name: str, values: list[float]) -> None:
         tracker.record(name, torch.tensor(value), layer, len(values), needs_dp_avg=False)
 
 
-def _mtp(loss: list[float], correct: list[float], total: list[float]) -> None:
-    MTPLossLoggingHelper.tracker = {
-        "loss_values": torch.tensor(loss),
-        "correct_values": torch.tensor(correct),
-        "total_values": torch.tensor(total),
-        "reduce_group": None,
-        "avg_group": None,
-    }
-
-
 def _values(result: dict[str, Any], suffix: str, prefix: str = "") -> list[Any]:
     """The values of the keys with ``prefix`` and ``suffix``, in key order; NaN as "nan" (so
     that it compares equal to itself). Key spelling is deliberately not observed here."""
@@ -311,17 +301,17 @@ def _mean_with_mtp(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 
 def _mtp_keys(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
-    _mtp([4.0, 8.0], [3.0, 1.0], [4.0, 2.0])
+    set_mtp_tracker([4.0, 8.0], [3.0, 1.0], [4.0, 2.0])
     return sorted(m.get_mtp_metrics(0.5))
 
 
 def _mtp_rate_scaled(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
-    _mtp([4.0], [3.0], [4.0])
+    set_mtp_tracker([4.0], [3.0], [4.0])
     return _values(m.get_mtp_metrics(0.5), "_acceptance_rate")
 
 
 def _mtp_rate_zero_total(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
-    _mtp([4.0, 4.0, 4.0], [0.0, 2.0, 1.0], [0.0, 0.0, 4.0])
+    set_mtp_tracker([4.0, 4.0, 4.0], [0.0, 2.0, 1.0], [0.0, 0.0, 4.0])
     return _values(m.get_mtp_metrics(), "_acceptance_rate")
 
 
@@ -386,7 +376,7 @@ def _moe_per_layer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 
 def _mtp_loss_scale(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
-    _mtp([4.0], [1.0], [2.0])
+    set_mtp_tracker([4.0], [1.0], [2.0])
     return _values(m.get_mtp_metrics(0.25), "_loss")
 
 
