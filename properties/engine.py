@@ -138,7 +138,9 @@ def _example_runner(
     prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
-        scenario = scenario.model_copy(update={"target": options.target})
+        scenario = scenario.model_copy(
+            update={"target": options.target, "property": prop.id, "profile": options.semantic}
+        )
         state.examples += 1
         coverage.add(scenario)
         try:
