@@ -27,6 +27,7 @@ REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
 CONTRACT_KEYS = {"target", "profile", "conformant", "properties"}
 ENTRY_KEYS = {
     "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
+    "cites",
 }  # fmt: skip
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.value_error"]
 
