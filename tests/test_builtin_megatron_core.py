@@ -10,7 +10,11 @@ by the scenario deadline.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,9 +36,10 @@ from pipemetrics.sim.target import (
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
-from .conftest import TrackingPool
+from .conftest import TrackingPool, assert_no_leftovers, private_tmpdir, run_bounded
 
 DEADLINE_S = 60.0
+FINDINGS = Path(__file__).resolve().parent / "megatron_core_findings"
 TARGET = "megatron-core"
 MOE_PROPERTIES = ("moe.values", "moe.names", "moe.per_layer", "moe.rank_agreement", "moe.reset")
 
@@ -240,3 +245,33 @@ def test_mtp_equals_the_oracle_and_hand_numbers(pool: TrackingPool) -> None:
         assert got[0] == got[1] == {}
         assert_close(got[2], want)
         assert_close(got[3], want)
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path) -> None:
+    """``check --impl megatron-core`` and ``replay`` of a finding, in bounded subprocesses."""
+    cli = [sys.executable, "-m", "pipemetrics.properties.cli"]
+    finding = str(FINDINGS / "global_aux_loss_dense_stage.json")
+    with private_tmpdir() as tmp:
+        env = dict(os.environ, TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
+        report = tmp_path / "report.json"
+        check = [
+            *cli, "check", "--impl", TARGET, "--max-examples", "2", "--json", str(report),
+            "--report-dir", str(tmp_path / "report"),
+            "--only", "moe.names", "round_up.least_multiple",
+        ]  # fmt: skip
+        proc = run_bounded(check, cwd=tmp_path, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout[-4000:]
+        data = json.loads(report.read_text(encoding="utf-8"))
+        assert data["target"] == TARGET
+        assert {p["id"]: p["status"] for p in data["properties"]} == {
+            "round_up.least_multiple": "absent",
+            "moe.names": "pass",
+        }
+        proc = run_bounded([*cli, "replay", finding], cwd=tmp_path, timeout=200, env=env)
+        assert proc.returncode == 1, proc.stdout[-4000:]
+        assert "target megatron-core" in proc.stdout
+        assert "rank 2: 'global_load_balancing_loss': expected 0.5, got 0.25" in proc.stdout
+        assert_no_leftovers(tmp)
