@@ -31,8 +31,8 @@ MAX_EXAMPLES = 80
 #: Mutants whose bug needs a layout the dev profile draws rarely.
 MORE_EXAMPLES: dict[str, int] = {
     # pp=2 x dp=2 with a dense stage and a live load_balancing/seq name whose values differ
-    # between the data-parallel ranks: about 2% of the examples (first found at 156 with
-    # --seed 0; the probability of missing it in 300 is about 0.2%).
+    # between the data-parallel ranks: about 2% of the dev profile's examples (first found at
+    # example 53 with --seed 0; a fresh draw misses it in 300 examples with about 0.2%).
     "moe_placeholder_skips_dp_avg": 300,
 }
 
