@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
@@ -24,6 +25,17 @@ _NO_COUNTS = pytest.mark.skipif(
     "an acceptance-rate bug cannot show",
 )
 
+#: Examples per property for each mutant: as few as still find the bug with ``--seed 0`` (a
+#: found bug ends the search, so this only bounds the run of a mutant that is not caught).
+MAX_EXAMPLES = 80
+#: Mutants whose bug needs a layout the dev profile draws rarely.
+MORE_EXAMPLES: dict[str, int] = {
+    # pp=2 x dp=2 with a dense stage and a live load_balancing/seq name whose values differ
+    # between the data-parallel ranks: about 2% of the dev profile's examples (first found at
+    # example 53 with --seed 0; a fresh draw misses it in 300 examples with about 0.2%).
+    "moe_placeholder_skips_dp_avg": 300,
+}
+
 
 @pytest.mark.parametrize(
     "name",
@@ -34,7 +46,8 @@ def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
     path = write_mutant(name, tmp_path / "mutants")
     code, data, output = check(
         tmp_path, "--impl", str(path), "--only", *mutant.fails,
-        "--hypothesis-profile", "dev", "--max-examples", "80", "--seed", "0",
+        "--hypothesis-profile", "dev",
+        "--max-examples", str(MORE_EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
         "--shrink-seconds", "10", timeout=400,
     )  # fmt: skip
     assert data is not None, output
@@ -45,3 +58,14 @@ def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
         assert entry["status"] == "fail", f"{name}: {property_id} is {entry['status']}\n{output}"
         assert "PicklingError" not in (entry["message"] or "")
         assert entry["replay"] and entry["counterexample"]
+
+
+def test_more_examples_names_mutants() -> None:
+    assert set(MORE_EXAMPLES) <= set(MUTANTS)
+
+
+def test_every_property_has_a_mutant() -> None:
+    """Every property of the catalogue can fail: some mutant names it in ``fails``."""
+    covered = {p for mutant in MUTANTS.values() for p in mutant.fails}
+    uncovered = sorted(set(CATALOGUE_IDS) - covered)
+    assert not uncovered, f"no mutant fails these properties: {uncovered}"
