@@ -90,6 +90,9 @@ class Mutant(BaseModel):
     """Seed functions whose code the edits change."""
     sim_verdict: SimVerdict | None
     """Simulator verdict kind in a suitable scenario; None: the world stays healthy."""
+    profile: Literal["seed", "megatron", "strict"] = "seed"
+    """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
+    document leaves open and only the reference promises)."""
 
     @field_validator("name")
     @classmethod
@@ -301,7 +304,8 @@ _MUTANTS: list[Mutant] = [
         description=(
             "get_aux_loss_track_names always lists z_loss, also when moe_z_loss_coeff is None "
             "(the router then never records it), so a caller pre-initialises and reports a "
-            "permanently-zero z_loss. Scenario: a config without z-loss."
+            "permanently-zero z_loss. Scenario: a config without z-loss. Strict profile: the "
+            'API document leaves open whether z_loss is an "aux loss" name.'
         ),
         edits=(
             (
@@ -314,6 +318,7 @@ _MUTANTS: list[Mutant] = [
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
         sim_verdict=None,
+        profile="strict",
     ),
     Mutant(
         name="moe_always_reports_z_loss",
@@ -337,7 +342,8 @@ _MUTANTS: list[Mutant] = [
             "broadcast_tensor validates only the calling rank's own buffer after the metadata "
             "round: a receiver with a bad buffer (wrong shape/dtype/device, or not a Tensor) "
             "raises ValueError alone while the source and the other receivers enter the data "
-            "broadcast and block. Scenario: 3 ranks, one receiver passes a wrong-shaped buffer."
+            "broadcast and block. Scenario: 3 ranks, one receiver passes a wrong-shaped buffer. "
+            "Strict profile: the API document only asks the faulty rank to raise."
         ),
         edits=(
             (
@@ -348,6 +354,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.errors_everywhere",),
         functions=("broadcast_tensor",),
         sim_verdict="deadlock",
+        profile="strict",
     ),
     Mutant(
         name="moe_loss_scale_twice",
