@@ -83,6 +83,8 @@ class RunOptions:
     seed: int | None = None
     database: str | None = None
     report_dir: Path = Path("pipemetrics-report")
+    progress: Callable[[str], None] | None = None
+    """Told (one line) when a property first fails and shrinking begins."""
 
 
 class PropertyFailed(AssertionError):
@@ -147,6 +149,11 @@ def _example_runner(
             raise HarnessFault(f"could not start a world: {exc}") from exc
         problems = prop.judge(scenario, run)
         if problems:
+            if state.failure is None and options.progress is not None:
+                options.progress(
+                    f"failed at example {state.examples}; shrinking "
+                    f"(at most {options.profile.shrink_budget_s:g} s) ..."
+                )
             state.failure = _Failure(
                 scenario, problems, describe_ranks(run), failure_picture(scenario, run)
             )
