@@ -55,7 +55,10 @@ def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIME
             print(f"pipemetrics demo: {exc}", file=sys.stderr)
             return 2
     scenario = demo_scenario(impl or DEFAULT_TARGET)
-    print("pipemetrics demo: 4 gloo ranks, pp=2 x dp=2; stage 0 dense only, stage 1 MoE + MTP")
+    print(
+        "pipemetrics demo: 4 gloo ranks, pp=2 x dp=2; stage 0 dense only, stage 1 MoE + MTP",
+        flush=True,
+    )
     with World(scenario.setup.world) as world:
         print(f"world started in {world.startup_s:.2f} s")
         run = world.run(scenario)
