@@ -190,7 +190,7 @@ def run_property(
     test = given(prop.scenarios(profile, options.semantic))(example)
     test = hypothesis_settings(
         profile,
-        profile.examples_for(prop.id, options.max_examples),
+        profile.examples_for(options.max_examples),
         database=None if options.seed is not None else make_database(options.database),
     )(test)
     if options.seed is not None:

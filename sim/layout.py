@@ -98,7 +98,6 @@ class ModelLayout(Frozen):
     num_experts: Annotated[int, Field(ge=2)] = 4
     topk: PositiveInt = 2
     microbatches: PositiveInt = 1
-    steps: PositiveInt = 1
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelLayout:
