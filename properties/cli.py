@@ -126,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             code = _dispatch(args)
         except Interrupted:
             pass  # every world was ended on the way up
+        finally:
+            from pipemetrics.sim.world import stop_forkserver
+
+            stop_forkserver()
         if guard.received is not None:
             name = signal.Signals(guard.received).name
             sys.stderr.write(f"pipemetrics: interrupted by {name}; everything it started ended\n")

@@ -94,6 +94,22 @@ def _forkserver_directory() -> list[str]:
     return []
 
 
+def stop_forkserver() -> None:
+    """Kill this process's fork server, if one was started, and reap it.
+
+    For a command that is ending: left alone, a fork server interrupted while it preloads
+    torch and megatron-core finishes that (seconds) before it notices its parent is gone.
+    Worlds already started are not affected (their ranks are not its children).
+    """
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if not isinstance(pid, int):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+
+
 class _RankPopen(popen_forkserver.Popen):
     """Starts a rank without re-importing the caller's ``__main__`` in it.
 
