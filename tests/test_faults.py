@@ -242,7 +242,9 @@ def test_the_runners_parent_dying(tmp_path: Path, short_tmp: Path, bounds: Bound
     )
     try:
         assert launcher.stdout is not None
-        runner = int(launcher.stdout.readline())
+        lines = Lines(launcher.stdout)
+        assert lines.wait_for("\n", bounds(3, 30)), "the launcher did not start the runner"
+        runner = int(lines.seen[0])
         assert wait_for(lambda: len(descendants(runner)) >= 3, bounds(12, 120)), (
             "no world was started"
         )

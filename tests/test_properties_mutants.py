@@ -13,6 +13,7 @@ import pytest
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
+from .conftest import Bounds
 from .test_properties_runner import check
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
@@ -29,13 +30,13 @@ _NO_COUNTS = pytest.mark.skipif(
     "name",
     [pytest.param(n, marks=_NO_COUNTS) if n in ACCEPTANCE_MUTANTS else n for n in sorted(MUTANTS)],
 )
-def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
+def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) -> None:
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
     code, data, output = check(
         tmp_path, "--impl", str(path), "--only", *mutant.fails,
         "--hypothesis-profile", "dev", "--max-examples", "80", "--seed", "0",
-        "--shrink-seconds", "10", timeout=400,
+        "--shrink-seconds", "10", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     assert code == 1, output
