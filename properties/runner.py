@@ -314,10 +314,14 @@ def _finish(
         f"({args.profile} profile, {seconds:.0f} s)\n"
     )
     out.flush()
-    if args.json_out:
-        write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
-    if args.junit:
-        write_junit(args.junit, args.impl, results)
-    if args.markdown:
-        write_markdown(args.markdown, args.impl, args.profile, results)
+    try:
+        if args.json_out:
+            write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
+        if args.junit:
+            write_junit(args.junit, args.impl, results)
+        if args.markdown:
+            write_markdown(args.markdown, args.impl, args.profile, results)
+    except OSError as exc:  # exit codes stay 0, 1, 2: an unwritable report is a usage error
+        _err(f"pipemetrics check: cannot write the report: {exc}")
+        return EXIT_USAGE
     return EXIT_OK if ok else EXIT_FAIL
