@@ -39,7 +39,7 @@ def test_run_locally_catches_the_planted_bug(tmp_path: Path, bounds: Bounds) -> 
     out = tmp_path / "out"
     with private_tmpdir() as tmp:
         proc = _run_script(out, tmp, bounds(60, 600))
-        assert_no_leftovers(tmp)
+        assert_no_leftovers(tmp, bounds(1, 10))
     output = proc.stdout
 
     assert proc.returncode == 1, output[-4000:]

@@ -26,7 +26,7 @@ def run_pytest(tmp_path: Path, *args: str, bounds: Bounds) -> tuple[int, str]:
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
             cwd=tmp_path, env=env, timeout=bounds(30, 300),
         )  # fmt: skip
-        assert_no_leftovers(tmp)
+        assert_no_leftovers(tmp, bounds(1, 10))
     return proc.returncode, proc.stdout
 
 

@@ -46,7 +46,7 @@ def check(
     with private_tmpdir() as tmp:
         env = dict(os.environ, **(env or {}), TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
         proc = run_bounded(command, cwd=cwd or tmp_path, env=env, timeout=bounds(42, 420))
-        assert_no_leftovers(tmp)
+        assert_no_leftovers(tmp, bounds(1, 10))
     data = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, data, proc.stdout
 
