@@ -201,7 +201,7 @@ def _run_workers(
     into errors (its exit code is never passed on).
     """
     workers = max(1, min(args.workers, len(todo)))
-    shares = [[p for p in todo[i::workers]] for i in range(workers)]
+    shares = [todo[i::workers] for i in range(workers)]
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
         outs = [os.path.join(tmp, f"worker{i}.json") for i in range(workers)]
@@ -212,6 +212,9 @@ def _run_workers(
             for proc in procs:
                 proc.wait()
         finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.terminate()  # all at once; stop_child then waits and kills
             for proc in procs:
                 stop_child(proc)
         by_id: dict[str, PropertyResult] = {}
