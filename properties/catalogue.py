@@ -1,10 +1,28 @@
 """The property catalogue. Property IDs are a public contract: never rename or reuse one.
 
-Each `Property` names the seed API function it tests, a strategy of scenarios (given the
-Hypothesis profile and the semantic profile) and a judge that turns the run into problems.
-Semantic profiles: ``seed`` (the documented contract: means over the tracker's entries, i.e.
-``D = num_layers + mtp_num_layers``) and ``megatron`` (Megatron's ``report()``: means over the
-number of MoE layers, passed as ``num_moe_layers``).
+Each `Property` names the seed API function it tests, the sentence of the API document
+(``shared/seed/megatron-common-api.txt``, the documentation of ``nemo_rl.models.megatron.common``)
+or the Megatron behaviour it enforces (``cites``), the semantic profiles it belongs to, a strategy
+of scenarios (given the Hypothesis profile and the semantic profile) and a judge that turns the run
+into problems.
+
+Semantic profiles:
+
+* ``seed``: the documented contract and nothing more. Means are over the tracker's entries
+  (``D = num_layers + mtp_num_layers``); hang freedom is required where the document promises it
+  (the pre-initialising call, or every rank holding every name); behaviour the document leaves
+  open (the name list's z-loss entry, non-contiguous sources, what the other ranks do when one
+  rank's broadcast input is invalid, arguments that do not mirror what the router records) is
+  not judged.
+* ``megatron``: ``seed`` with Megatron's ``report()`` normalisation (means over the number of MoE
+  layers, passed as ``num_moe_layers``).
+* ``strict``: ``seed`` plus the guarantees of pipemetrics' reference: collective safety for every
+  argument form (partial or absent ``track_names``, ``num_layers=None``), errors raised on every
+  rank, non-contiguous sources, z-loss in the name list.
+
+In Markdown the document's key templates lost their underscores (``mtp_{i}loss``,
+``moe/{name}layer{i}``); the keys are Megatron-LM's ``mtp_{i}_loss``,
+``mtp_{i}_acceptance_rate`` and ``moe/{name}_layer_{i}``.
 """
 
 from __future__ import annotations
@@ -20,7 +38,9 @@ from pipemetrics.properties.profiles import Profile
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.scenario import Scenario
 
-SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron")
+SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron", "strict")
+EVERY_PROFILE: frozenset[Semantic] = frozenset(SEMANTIC_PROFILES)
+STRICT_ONLY: frozenset[Semantic] = frozenset({"strict"})
 
 ScenarioStrategy = Callable[[Profile, Semantic], st.SearchStrategy[Scenario]]
 
@@ -30,8 +50,11 @@ class Property:
     id: str
     function: str
     summary: str
+    cites: str
+    """The sentence of the API document (quoted) or the Megatron behaviour it enforces."""
     scenarios: ScenarioStrategy
     judge: j.Judge
+    profiles: frozenset[Semantic] = EVERY_PROFILE
 
 
 def _moe(**kwargs: object) -> ScenarioStrategy:
@@ -46,11 +69,40 @@ MOE = "get_moe_metrics"
 MTP = "get_mtp_metrics"
 BROADCAST = "broadcast_tensor"
 
+DOC_MOE_RETURNS = (
+    '"This function reduces MoE auxiliary losses across ranks, aggregates them, and returns a '
+    'dictionary of metrics." / "For each aux loss name, the mean value is returned under the '
+    'same key (e.g., "load_balancing_loss")."'
+)
+DOC_PREINIT = (
+    '"num_layers/mtp_num_layers/track_names pre-initialize the aux-loss tracker so every '
+    "pipeline-parallel rank participates in the collective all_reduce below with an "
+    "equally-sized tensor, preventing a hang when some PP rank did not record an aux loss this "
+    "step (e.g. a stage with no MoE layer, or an MTP MoE layer that lives only on the last "
+    'stage)."'
+)
+DOC_MTP_RETURNS = (
+    '"Each MTP layer\'s loss is returned under the key "mtp_{i}_loss" and acceptance rate '
+    'under "mtp_{i}_acceptance_rate" where i is 1-indexed (matching Megatron-LM)."'
+)
+DOC_MTP_SCALE = (
+    "\"loss_scale - Scale factor applied to each MTP layer's loss (e.g., 1/num_microbatches). "
+    "MTPLossLoggingHelper accumulates the per-microbatch loss across microbatches without "
+    'dividing, so callers must pass 1/num_microbatches to recover the mean." / "Acceptance rate '
+    'is a ratio of counts and is not scaled."'
+)
+MEGATRON_CLEARS = (
+    "Megatron-LM's training_log reports once per step and clears the trackers afterwards "
+    "(MoEMetricsTracker.report -> clear(), track_mtp_metrics -> clean_metrics_in_tracker()); "
+    "loss_scale = 1/num_microbatches then gives the step's mean"
+)
+
 CATALOGUE: tuple[Property, ...] = (
     Property(
         "round_up.least_multiple",
         "_round_up_to_multiple",
         "the least multiple of `multiple` that is >= value, as an int",
+        '"_round_up_to_multiple(value: int, multiple: int) -> int": rounds value up to a multiple',
         lambda p, _: s.round_up_scenarios(p),
         j.checked(j.round_up_least_multiple),
     ),
@@ -59,27 +111,50 @@ CATALOGUE: tuple[Property, ...] = (
         BROADCAST,
         "every rank gets the source tensor (dtype, shape, values), receivers passing None or a "
         "buffer",
-        lambda p, _: s.broadcast_scenarios(p, "mixed"),
+        '"Broadcasts a tensor from src_rank to all ranks in the group" / "Can be None on '
+        'non-source ranks (will be created with correct shape/dtype)" / "Returns: The '
+        "broadcasted tensor. On non-source ranks, this will be the tensor received from the "
+        'source."',
+        lambda p, sem: s.broadcast_scenarios(p, "mixed", sem),
         j.checked(j.broadcast_roundtrip),
     ),
     Property(
         "broadcast.receiver_buffer",
         BROADCAST,
         "a receiver's valid buffer is filled and returned",
-        lambda p, _: s.broadcast_scenarios(p, "buffers"),
+        "\"If not None on non-source ranks, it's used as the buffer for the broadcast and must "
+        "match the source tensor's metadata.\"",
+        lambda p, sem: s.broadcast_scenarios(p, "buffers", sem),
         j.checked(j.broadcast_receiver_buffer),
+    ),
+    Property(
+        "broadcast.value_error",
+        BROADCAST,
+        "the rank whose input is invalid (source passing None, receiver buffer of the wrong "
+        "shape, dtype or device) raises ValueError; what its peers do is left open",
+        '"Raises: ValueError - If the tensor is None on the source rank, or if a tensor '
+        'provided on a non-source rank has mismatched shape/dtype/device."',
+        lambda p, sem: s.broadcast_scenarios(p, "invalid", sem),
+        j.broadcast_value_error,
     ),
     Property(
         "broadcast.errors_everywhere",
         BROADCAST,
         "an invalid input on any rank raises ValueError on every rank; no rank hangs",
-        lambda p, _: s.broadcast_scenarios(p, "invalid"),
+        "pipemetrics' reference (strict profile): the document's ValueError, raised on every "
+        "rank of the group after one metadata round, so no peer is left in the broadcast",
+        lambda p, sem: s.broadcast_scenarios(p, "invalid", sem),
         j.broadcast_errors_everywhere,
+        STRICT_ONLY,
     ),
     Property(
         "track_names.router_parity",
         "get_aux_loss_track_names",
-        "the names megatron-core's TopKRouter records for the config, in recording order",
+        "the load-balancing names megatron-core's TopKRouter records for the config, in "
+        "recording order (strict: z_loss too, first, whenever moe_z_loss_coeff is set)",
+        '"Returns the aux-loss tracker names the router records for a model config." / '
+        '"Aux-loss tracker names to pre-initialize, in the order Megatron records them. Empty '
+        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open)',
         lambda p, _: s.track_names_scenarios(p),
         j.checked(j.track_names_parity),
     ),
@@ -87,23 +162,32 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.no_hang",
         MOE,
         "every rank returns: no hang, crash, mismatched collective or exception",
+        DOC_PREINIT,
         _moe(),
         j.checked(j.no_problems),
     ),
     Property(
-        "moe.values", MOE, "per-name means equal the oracle's", _moe(), j.checked(j.moe_values)
+        "moe.values",
+        MOE,
+        "per-name means equal the oracle's",
+        DOC_MOE_RETURNS + '; "loss_scale - Scale factor to apply to each auxiliary loss"',
+        _moe(),
+        j.checked(j.moe_values),
     ),
     Property(
         "moe.rank_agreement",
         MOE,
         "every rank returns the same dict",
+        DOC_MOE_RETURNS + " (Megatron's reduction spans every rank, so every rank holds the "
+        "same reduced values)",
         _moe(),
         j.checked(j.moe_rank_agreement),
     ),
     Property(
         "moe.names",
         MOE,
-        "the per-name keys are exactly the live names",
+        "the per-name keys are exactly the names reported",
+        DOC_MOE_RETURNS,
         _moe(),
         j.checked(j.moe_names),
     ),
@@ -111,6 +195,9 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.per_layer",
         MOE,
         "per_layer_logging adds moe/{name}_layer_{i} = loss_scale * v[i] and nothing else",
+        '"per_layer_logging - If True, include per-layer values in the returned dict." / '
+        '"per-layer values are returned under keys of the form moe/{name}_layer_{i}" (i from 0, '
+        "as Megatron-LM's per-layer logging enumerates the tracker)",
         _moe(per_layer=True),
         j.checked(j.moe_per_layer),
     ),
@@ -118,6 +205,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.loss_scale",
         MOE,
         "means and per-layer values are scaled by loss_scale exactly once",
+        '"loss_scale - Scale factor to apply to each auxiliary loss (e.g., 1/num_microbatches)."',
         _moe(per_layer=True, scale_one=False),
         j.checked(j.moe_loss_scale),
     ),
@@ -125,6 +213,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.total_loss_dict",
         MOE,
         "total_loss_dict accumulates the per-name means of every step",
+        '"total_loss_dict - If provided, accumulate means into this dict (by name)."',
         _moe(min_steps=1, max_steps=3, total_loss_dict=True),
         j.checked(j.moe_total_loss_dict),
     ),
@@ -132,6 +221,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.reset",
         MOE,
         "a step's result does not depend on earlier steps (the tracker is cleared)",
+        MEGATRON_CLEARS,
         _moe(min_steps=2, max_steps=3, per_layer=True),
         j.checked(j.moe_reset),
     ),
@@ -139,6 +229,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.router_mode",
         MOE,
         "values equal the oracle when megatron-core's real routers fill the tracker",
+        DOC_MOE_RETURNS + ", on trackers filled by megatron-core's TopKRouter itself",
         lambda p, sem: s.router_scenarios(p, sem),
         j.checked(j.moe_all_values),
     ),
@@ -146,6 +237,9 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.no_hang",
         MTP,
         "every rank returns: no hang, crash, mismatched collective or exception",
+        '"This function reduces MTP metrics across ranks and returns a dictionary of metrics." '
+        "(Megatron's MTP reduction has no pipeline collective: ranks without MTP layers hold no "
+        "tracker and take part in none)",
         _mtp(),
         j.checked(j.no_problems),
     ),
@@ -154,6 +248,7 @@ CATALOGUE: tuple[Property, ...] = (
         MTP,
         "mtp_{i}_loss / mtp_{i}_acceptance_rate with i from 1 on MTP ranks, {} elsewhere "
         "(no rate with megatron-core 0.18: no counts)",
+        DOC_MTP_RETURNS + " (a rank holding no MTP layer has no layer to report)",
         _mtp(),
         j.checked(j.mtp_keys),
     ),
@@ -161,14 +256,15 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.loss_scale",
         MTP,
         "mtp_{i}_loss is the reduced loss scaled by loss_scale exactly once",
+        DOC_MTP_SCALE,
         _mtp(scale_one=False),
         j.checked(j.mtp_loss_scale),
     ),
     Property(
         "mtp.acceptance_rate",
         MTP,
-        "100 * correct / max(total, 1), clamped to [0, 100], never scaled "
-        "(vacuous with megatron-core 0.18: no counts)",
+        "100 * correct / max(total, 1), never scaled (vacuous with megatron-core 0.18: no counts)",
+        DOC_MTP_SCALE + " Megatron's rate: 100 * correct / max(total, 1) (track_mtp_metrics)",
         _mtp(scale_one=False),
         j.checked(j.mtp_acceptance_rate),
     ),
@@ -176,6 +272,7 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.reset",
         MTP,
         "a step's result does not depend on earlier steps (the tracker is cleaned)",
+        MEGATRON_CLEARS,
         _mtp(min_steps=2, max_steps=3),
         j.checked(j.mtp_reset),
     ),

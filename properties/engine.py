@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky
 
-from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.profiles import Profile, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault, describe_ranks
@@ -71,7 +71,14 @@ class PropertyResult:
             "counterexample": self.counterexample_json(),
             "replay": self.replay,
             "message": self.message,
+            "cites": _cites(self.id),
         }
+
+
+def _cites(property_id: str) -> str | None:
+    """The sentence of the API document (or the Megatron behaviour) the property enforces."""
+    prop = BY_ID.get(property_id)
+    return prop.cites if prop is not None else None
 
 
 @dataclass
@@ -140,7 +147,9 @@ def _example_runner(
     prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
-        scenario = scenario.model_copy(update={"target": options.target})
+        scenario = scenario.model_copy(
+            update={"target": options.target, "property": prop.id, "profile": options.semantic}
+        )
         state.examples += 1
         coverage.add(scenario)
         try:

@@ -39,7 +39,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pipemetrics-impl", default=None, metavar="TARGET",
                     help="implementation to check: dotted module or .py path "
                     "(default: pipemetrics.reference)")  # fmt: skip
-    group.addoption("--pipemetrics-profile", default="seed", choices=("seed", "megatron"),
+    group.addoption("--pipemetrics-profile", default="seed", choices=("seed", "megatron", "strict"),
                     help="semantic profile")  # fmt: skip
     group.addoption("--pipemetrics-hypothesis-profile", default=DEFAULT_PROFILE,
                     choices=PROFILE_NAMES, help="dev, ci or thorough")  # fmt: skip

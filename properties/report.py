@@ -14,6 +14,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, TextIO
 
+from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.engine import PropertyResult
 
 
@@ -114,6 +115,7 @@ def print_failures(results: list[PropertyResult], out: TextIO) -> None:
         out.write(
             f"\n=== {r.status.upper()}: {r.id} ({r.function}){' [xfail]' if r.xfail else ''}\n"
         )
+        out.write(f"requires: {BY_ID[r.id].cites}\n" if r.id in BY_ID else "")
         out.write(f"{r.message}\n")
         if r.counterexample is not None:
             out.write("minimal counterexample:\n")
@@ -174,6 +176,8 @@ def render_markdown(target: str, profile: str, results: list[PropertyResult]) ->
             continue
         xfail = " (xfail: expected)" if r.xfail else ""
         lines += ["", f"### `{r.id}` ({r.function}): {r.status}{xfail}", ""]
+        if r.id in BY_ID:
+            lines += [f"Requires: {BY_ID[r.id].cites}", ""]
         if r.message:
             lines += [_fence(r.message, "text"), ""]
         if r.picture:

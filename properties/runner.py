@@ -56,8 +56,9 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         help="dotted module name or path to a .py file (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument("--profile", choices=SEMANTIC_PROFILES, default="seed",
-                        help="semantic profile: seed (mean over tracker entries) or megatron "
-                        "(mean over MoE layers, as Megatron's report())")  # fmt: skip
+                        help="semantic profile: seed (the API document's contract), megatron "
+                        "(seed, means over MoE layers as Megatron's report()) or strict (seed "
+                        "plus the reference's collective-safety guarantees)")  # fmt: skip
     parser.add_argument(
         "--max-examples",
         type=int,
@@ -242,7 +243,7 @@ def run_check(args: argparse.Namespace) -> int:
         profile = get_profile(args.hypothesis_profile)
         if args.shrink_seconds is not None:
             profile = replace(profile, shrink_budget_s=args.shrink_seconds)
-        selection: Selection = select(args.only, args.skip, args.xfail)
+        selection: Selection = select(args.only, args.skip, args.xfail, profile=args.profile)
     except (SelectionError, ValueError, OSError) as exc:
         _err(f"pipemetrics check: {exc}")
         return EXIT_USAGE

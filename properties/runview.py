@@ -47,16 +47,21 @@ def call_views(scenario: Scenario, run: WorldRun) -> list[CallView]:
     return views
 
 
-def world_problems(run: WorldRun) -> list[str]:
-    """The verdict as a failure (anything but ``ok``); `HarnessFault` for ``harness_error``."""
+def world_problems(run: WorldRun, *, tolerate: tuple[str, ...] = ()) -> list[str]:
+    """The verdict as a failure (anything but ``ok`` or a ``tolerate``d kind); `HarnessFault` for
+    a fault of pipemetrics (the ``harness_error`` verdict, or any rank's, whatever the verdict)."""
     verdict = run.verdict
     if verdict.kind == "harness_error":
         raise HarnessFault(verdict.message)
     for rank, result in sorted(run.ranks.items()):
+        fault = result.done.harness_error if result.done is not None else None
+        if fault is not None:  # also after another verdict: a fault of ours is never dropped
+            raise HarnessFault(f"rank {rank}: {fault.type}: {fault.message}\n{fault.traceback}")
+    for rank, result in sorted(run.ranks.items()):
         if result.done is not None and result.done.load_error is not None:
             err = result.done.load_error
             return [f"rank {rank} could not load the target: {err.type}: {err.message}"]
-    if verdict.kind != "ok":
+    if verdict.kind not in ("ok", *tolerate):
         return [verdict.text()]
     return []
 

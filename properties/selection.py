@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS, Property
+from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, PROPERTY_IDS, Property
+from pipemetrics.properties.strategies import Semantic
 
 
 def read_id_list(path: str | Path) -> list[str]:
@@ -57,9 +58,13 @@ def select(
     only: list[str] | None = None,
     skip_file: str | None = None,
     xfail_file: str | None = None,
+    *,
+    profile: Semantic = "seed",
 ) -> Selection:
+    """The properties of ``profile`` to run (``--only`` narrows them), with the skip and xfail
+    lists. An ``--only`` ID of another profile is a `SelectionError` naming its profiles."""
     warnings: list[str] = []
-    chosen = list(PROPERTY_IDS)
+    chosen = [p.id for p in CATALOGUE if profile in p.profiles]
     if only:
         unknown = [pid for pid in only if not expand(pid)]
         if unknown:
@@ -67,6 +72,16 @@ def select(
                 f"--only: unknown property IDs {unknown}; known: {', '.join(PROPERTY_IDS)}"
             )
         wanted = {hit for pid in only for hit in expand(pid)}
+        elsewhere = sorted(pid for pid in wanted if pid not in chosen)
+        if elsewhere:
+            profiles = sorted({sem for pid in elsewhere for sem in BY_ID[pid].profiles})
+            text = (
+                f"--only: {', '.join(elsewhere)} not part of the {profile} profile "
+                f"(use --profile {' or '.join(profiles)})"
+            )
+            if not wanted & set(chosen):
+                raise SelectionError(text)
+            warnings.append(text)
         chosen = [pid for pid in chosen if pid in wanted]
     skip = (
         _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings)

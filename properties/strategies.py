@@ -27,6 +27,7 @@ from pipemetrics.sim.calls import (
 )
 from pipemetrics.sim.layout import (
     AUX_LOSS_TYPES,
+    TRACK_NAME_OF,
     EvenSplit,
     ExplicitSplit,
     FirstLastSplit,
@@ -62,7 +63,7 @@ __all__ = [
     "world_shapes",
 ]
 
-Semantic = Literal["seed", "megatron"]
+Semantic = Literal["seed", "megatron", "strict"]
 
 # -- worlds ------------------------------------------------------------------------------------
 
@@ -183,11 +184,13 @@ def setups(
     return Setup(world=world, layout=layout)
 
 
+LOSS_SCALES: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 1.0 / 3.0, 1e-3, 2.0, 0.0)
+"""Fixed loss scales drawn besides ``1/num_microbatches`` (1.0 first: shrinking goes there)."""
+
+
 def loss_scales(microbatches: int, *, allow_one: bool = True) -> st.SearchStrategy[float]:
     """``1/num_microbatches`` as trainers pass it, and other scales (zero included)."""
-    scales = [0.5, 0.25, 0.125, 1.0 / 3.0, 1e-3, 2.0, 0.0]
-    if allow_one:
-        scales.insert(0, 1.0)
+    scales = [scale for scale in LOSS_SCALES if allow_one or scale != 1.0]
     pick = st.sampled_from(scales)
     if allow_one or microbatches > 1:
         return st.one_of(st.just(1.0 / microbatches), pick)
@@ -217,6 +220,55 @@ def moe_call(
     )
 
 
+def every_rank_records_every_name(setup: Setup) -> bool:
+    """Whether every stage owns a router, so every rank holds every live name after a step."""
+    return all(setup.records_moe(stage) for stage in range(setup.world.pp))
+
+
+KNOWN_NAMES = ("z_loss", *TRACK_NAME_OF.values())
+
+
+@st.composite
+def track_names_arguments(draw: st.DrawFn, live: list[str], strict: bool) -> list[str] | None:
+    """``track_names`` as callers pass it: the live names (what the router records), ``None``;
+    strict also: ``[]``, a subset (recorded names outside the list) or a superset."""
+    forms = ["live", "none"] + (["empty", "subset", "superset"] if strict else [])
+    form = draw(st.sampled_from(forms))
+    if form == "live":
+        return list(live)
+    if form == "none":
+        return None
+    if form == "empty":
+        return []
+    if form == "subset":
+        return [name for name in live if draw(st.booleans())]
+    extra = [name for name in KNOWN_NAMES if name not in live]
+    return list(live) + draw(st.lists(st.sampled_from(extra), unique=True)) if extra else live
+
+
+@st.composite
+def moe_arguments(
+    draw: st.DrawFn, setup: Setup, semantic: Semantic
+) -> tuple[int | None, int | None, list[str] | None]:
+    """(num_layers, mtp_num_layers, track_names) of a ``get_moe_metrics`` call.
+
+    seed/megatron: the pre-initialising call the document prescribes; where every rank records
+    every live name (nothing to pre-initialise) also ``None`` forms. strict: every form on every
+    layout (pipemetrics' reference is collectively safe for all of them).
+    """
+    layout = setup.layout
+    live = list(layout.live_track_names)
+    mtp = layout.mtp_num_layers
+    mtp_forms: list[int | None] = [mtp] if mtp else [None, 0]
+    strict = semantic == "strict"
+    if not strict and not every_rank_records_every_name(setup):
+        return layout.num_layers, draw(st.sampled_from(mtp_forms)), live
+    if strict:
+        mtp_forms = [mtp, None]
+    num_layers = draw(st.sampled_from([layout.num_layers, None]))
+    return num_layers, draw(st.sampled_from(mtp_forms)), draw(track_names_arguments(live, strict))
+
+
 @st.composite
 def moe_scenarios(
     draw: st.DrawFn,
@@ -235,6 +287,7 @@ def moe_scenarios(
     per_layer_logging = draw(st.booleans()) if per_layer is None else per_layer
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
     steps = []
+    num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
     for _ in range(count):
         scale = draw(loss_scales(layout.microbatches, allow_one=scale_one))
         call = moe_call(
@@ -243,6 +296,12 @@ def moe_scenarios(
             loss_scale=scale,
             per_layer_logging=per_layer_logging,
             use_total_loss_dict=total_loss_dict,
+        ).model_copy(
+            update={
+                "num_layers": num_layers,
+                "mtp_num_layers": mtp_num_layers,
+                "track_names": track_names,
+            }
         )
         steps.append(Step(records=draw(synthetic_records(setup)), calls=[call]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
@@ -330,8 +389,11 @@ BufferMode = Literal["mixed", "buffers", "invalid"]
 
 
 @st.composite
-def broadcast_call(draw: st.DrawFn, world: WorldSpec, mode: BufferMode) -> BroadcastCall:
-    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input."""
+def broadcast_call(
+    draw: st.DrawFn, world: WorldSpec, mode: BufferMode, semantic: Semantic = "seed"
+) -> BroadcastCall:
+    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input.
+    A non-contiguous source only under strict (the document does not promise one works)."""
     size = world.world_size
     src = draw(st.integers(0, size - 1))
     shape = draw(tensor_shapes())
@@ -354,7 +416,7 @@ def broadcast_call(draw: st.DrawFn, world: WorldSpec, mode: BufferMode) -> Broad
         src_rank=src,
         shape=shape,
         dtype=dtype,
-        non_contiguous=len(shape) >= 2 and draw(st.booleans()),
+        non_contiguous=semantic == "strict" and len(shape) >= 2 and draw(st.booleans()),
         fill_seed=draw(st.integers(0, 1000)),
         buffers=buffers,
         source_passes_none=source_none,
@@ -362,11 +424,13 @@ def broadcast_call(draw: st.DrawFn, world: WorldSpec, mode: BufferMode) -> Broad
 
 
 @st.composite
-def broadcast_scenarios(draw: st.DrawFn, profile: Profile, mode: BufferMode) -> Scenario:
+def broadcast_scenarios(
+    draw: st.DrawFn, profile: Profile, mode: BufferMode, semantic: Semantic = "seed"
+) -> Scenario:
     min_size = 1 if mode == "mixed" else 2
     world = draw(world_shapes(profile, min_size=min_size))
     count = 1 if mode == "invalid" else draw(st.integers(1, 2))
-    calls = [draw(broadcast_call(world, mode)) for _ in range(count)]
+    calls = [draw(broadcast_call(world, mode, semantic)) for _ in range(count)]
     setup = Setup(world=world, layout=ModelLayout(num_layers=world.pp))
     return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=profile.deadline_s)
 

@@ -1,77 +1,81 @@
-"""Synthetic tracker records consistent with what Megatron's routers and MTP layers record.
+"""Synthetic tracker records: the states Megatron's routers and MTP layers can record.
 
-`synthetic_records` is a Hypothesis strategy of one step's `StepRecords` for a `Setup`: every
-rank records, for every microbatch and every router its pipeline stage owns (main MoE layers at
-their 1-based global slot; on the last stage, MoE MTP layers at slot ``num_layers + k``), each
-live name with the groups megatron-core 0.19's router passes (`ROUTER_REDUCTION`) and entries of
-length ``num_layers + mtp_num_layers``. Every rank of the last stage also records every MTP layer
-(0-based ``layer_number``, averaged over the data+context group). The order in which a rank
-records the names is a per-rank permutation (insertion order differs across ranks).
+`synthetic_records` is a Hypothesis strategy of one step's `StepRecords` for a `Setup`, drawn
+inside the reachability model of `pipemetrics.properties.reachable` (tests check every draw
+against it): every rank records, for every microbatch and every router its pipeline stage owns
+(main MoE layers at their 1-based global slot; MoE MTP layers at slot ``num_layers + k``), each
+live name in the router's order with the groups megatron-core's router passes
+(`ROUTER_REDUCTION`) and entries of length ``num_layers + mtp_num_layers``. The ranks of the
+stage holding the MTP layers record every MTP layer per microbatch (0-based ``layer_number``,
+averaged over the data+context group): a loss and whole token counts with correct <= total,
+the same on tensor-parallel peers.
 """
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import strategies as st
 
+from pipemetrics.properties.reachable import MTP_AVG_ROLE, nan_recorded
 from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.records import MoeRecord, MtpRecord, StepRecords, router_record
 from pipemetrics.sim.topology import places_for
 
+VALUE_BANDS: dict[str, tuple[float, float]] = {
+    "ordinary": (1e-3, 10.0),
+    "tiny": (1e-30, 1e-20),
+    "huge": (1e20, 1e30),
+}
+"""Magnitude bands of recorded losses (besides exact zeros). Losses are non-negative, so no
+cancellation can make a float32 reduction disagree with the float64 oracle; the largest
+magnitude keeps float32 sums finite, the smallest stays far above float32's subnormals."""
+
+MAX_TOKENS = 100_000
+"""Largest per-microbatch token count drawn for MTP acceptance."""
+
 
 def recorded_values() -> st.SearchStrategy[float]:
-    """Non-negative finite values: zeros, ordinary, tiny and huge magnitudes.
-
-    Aux losses and z-loss are non-negative, so no cancellation can make a float32 reduction
-    disagree with the float64 oracle; the largest magnitude keeps float32 sums finite.
-    """
-    return st.one_of(
-        st.just(0.0),
-        st.floats(1e-3, 10.0),
-        st.floats(1e-30, 1e-20),
-        st.floats(1e20, 1e30),
-    )
+    """Non-negative finite losses: zeros and every band of `VALUE_BANDS`."""
+    return st.one_of(st.just(0.0), *(st.floats(lo, hi) for lo, hi in VALUE_BANDS.values()))
 
 
 def mtp_losses() -> st.SearchStrategy[float]:
-    return st.one_of(st.just(0.0), st.floats(1e-3, 10.0), st.floats(1e-30, 1e-20))
+    """Per-token cross entropies: zero, ordinary and tiny (finite, non-negative)."""
+    bands = (VALUE_BANDS["ordinary"], VALUE_BANDS["tiny"])
+    return st.one_of(st.just(0.0), *(st.floats(lo, hi) for lo, hi in bands))
 
 
-def token_counts() -> st.SearchStrategy[float]:
-    """Counts of correct / total tokens: zero, fractions below one, integers, large integers."""
-    return st.one_of(
-        st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]),
-        st.integers(0, 64).map(float),
-        st.integers(0, 100_000).map(float),
-    )
+@st.composite
+def token_counts(draw: st.DrawFn) -> tuple[float, float]:
+    """(correct, total): whole token counts with ``0 <= correct <= total``, small and large."""
+    total = draw(st.one_of(st.integers(0, 8), st.integers(0, MAX_TOKENS)))
+    correct = draw(st.one_of(st.just(total), st.just(0), st.integers(0, total)))
+    return float(correct), float(total)
 
 
 @st.composite
 def _rank_moe_records(
-    draw: st.DrawFn,
-    setup: Setup,
-    stage: int,
-    values: st.SearchStrategy[float],
-    permute: bool,
+    draw: st.DrawFn, setup: Setup, stage: int, values: st.SearchStrategy[float]
 ) -> list[MoeRecord]:
     layout = setup.layout
-    names = list(layout.live_track_names)
-    order = draw(st.permutations(names)) if permute and len(names) > 1 else names
     records = []
     for _ in range(layout.microbatches):
         for slot in setup.router_slots(stage):
-            for name in order:
-                records.append(router_record(name, slot, draw(values), layout.track_length))
+            for name in layout.live_track_names:
+                value = math.nan if nan_recorded(setup, name) else draw(values)
+                records.append(router_record(name, slot, value, layout.track_length))
     return records
 
 
 @st.composite
-def _rank_mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
+def _mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
+    """One rank's MTP records of a step (shared by its tensor-parallel peers)."""
     layout = setup.layout
     records = []
     for _ in range(layout.microbatches):
         for k in range(layout.mtp_num_layers):
-            total = draw(token_counts())
-            correct = draw(st.one_of(token_counts(), st.just(total)))
+            correct, total = draw(token_counts())
             records.append(
                 MtpRecord(
                     layer_number=k,
@@ -79,6 +83,7 @@ def _rank_mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
                     loss=draw(mtp_losses()),
                     correct=correct,
                     total=total,
+                    avg=MTP_AVG_ROLE,
                 )
             )
     return records
@@ -86,22 +91,18 @@ def _rank_mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
 
 @st.composite
 def synthetic_records(
-    draw: st.DrawFn,
-    setup: Setup,
-    *,
-    values: st.SearchStrategy[float] | None = None,
-    permute_names: bool = True,
+    draw: st.DrawFn, setup: Setup, *, values: st.SearchStrategy[float] | None = None
 ) -> StepRecords:
     """One training step's records on every rank of ``setup`` (see the module doc)."""
     values = values if values is not None else recorded_values()
-    last = setup.world.pp - 1
     moe: dict[int, list[MoeRecord]] = {}
     mtp: dict[int, list[MtpRecord]] = {}
-    for rank, place in places_for(setup.world).items():
+    for rank, place in sorted(places_for(setup.world).items()):
         stage = place.pp_rank
-        records = draw(_rank_moe_records(setup, stage, values, permute_names))
+        records = draw(_rank_moe_records(setup, stage, values))
         if records:
             moe[rank] = records
-        if stage == last and setup.layout.mtp_num_layers > 0:
-            mtp[rank] = draw(_rank_mtp_records(setup))
+        if setup.mtp_layers_on_stage(stage):
+            tp_root = min(place.groups["tp"])
+            mtp[rank] = mtp[tp_root] if tp_root in mtp else draw(_mtp_records(setup))
     return StepRecords(moe=moe, mtp=mtp)

@@ -26,6 +26,8 @@ def test_property(
     pipemetrics_pool: Any,
     pipemetrics_coverage: Any,
 ) -> None:
+    if pipemetrics_options.semantic not in prop.profiles:
+        pytest.skip(f"not part of the {pipemetrics_options.semantic} profile")
     if prop.function not in pipemetrics_provided:
         pytest.skip(f"absent: the target does not define {prop.function}")
     result = run_property(prop, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage)

@@ -42,7 +42,6 @@ from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.summary import run_passed
 from pipemetrics.sim.topology import coordinates
 from pipemetrics.sim.world import World, WorldRun
 
@@ -228,7 +227,9 @@ def deadlock_target() -> Iterator[Path]:
 
 
 def _judged(scenario: Scenario, run: WorldRun) -> None:
-    if not run_passed(scenario, run):
+    from pipemetrics.properties.verdict import judge_run
+
+    if judge_run(scenario, run):
         raise BenchError(
             f"a throughput example on {scenario.setup.world.key} did not pass "
             f"({run.verdict.kind}: {run.verdict.message[:600]})"

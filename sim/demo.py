@@ -14,7 +14,7 @@ from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.scenario import DEFAULT_TARGET, Scenario, Step
-from pipemetrics.sim.summary import run_passed, summarize
+from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.target import TargetLoadError
 from pipemetrics.sim.world import World
 
@@ -62,5 +62,9 @@ def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIME
     with World(scenario.setup.world) as world:
         print(f"world started in {world.startup_s:.2f} s")
         run = world.run(scenario)
+    from pipemetrics.properties.verdict import judge_run, judgement_text
+
     print(summarize(scenario, run))
-    return 0 if run_passed(scenario, run) else 1
+    problems = judge_run(scenario, run)
+    print(judgement_text(scenario, problems))
+    return 1 if problems else 0

@@ -26,9 +26,13 @@ PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class Frozen(BaseModel):
-    """Base for the immutable, strictly-validated models of this package."""
+    """Base for the immutable, strictly-validated models of this package.
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    NaN and infinities are written to JSON as the constants ``NaN`` / ``Infinity`` (and read
+    back): megatron-core's router records ``z_loss`` as NaN when its coefficient is 0.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
 
 
 class WorldSpec(Frozen):

@@ -8,10 +8,14 @@ order gives the value each rank holds after the real collectives, whatever the g
 
 The reference contract for ``get_moe_metrics`` (see `expected_moe_metrics`):
 
-* live names: the union over ranks of the tracker names, plus ``track_names`` when the call
-  pre-initialises (``num_layers`` and a non-empty ``track_names`` given);
-* every rank takes part in every live name's reductions with a vector of the agreed length
-  (zero-padded where shorter or missing), using the groups of the ranks that hold the name;
+* live names: the union over ranks of the recorded tracker names (an all-zero entry with
+  Megatron's default groups, as ``ensure_initialized`` makes it, is a placeholder, not a
+  recording), plus ``track_names`` when the call pre-initialises (``num_layers`` and a non-empty
+  ``track_names`` given);
+* every rank takes part in every live name's reductions with a vector of the agreed length (the
+  longest recorded entry; for a name of ``track_names`` at least ``num_layers +
+  mtp_num_layers``), zero-padded where shorter or missing, using the groups of the ranks that
+  recorded the name (the router's groups when none did);
 * per-layer reduction as ``MoEMetricsTracker._sync_metrics``: SUM over the pipeline group, SUM
   over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp).
 
@@ -36,6 +40,7 @@ from pipemetrics.sim.records import (
     TrackerSnapshot,
 )
 from pipemetrics.sim.topology import GROUP_ROLES
+from pipemetrics.sim.values import TENSOR_KEY
 
 Op = Literal["sum", "avg"]
 Vectors = dict[int, list[float]]
@@ -106,25 +111,45 @@ def pad(values: Sequence[float], length: int) -> list[float]:
 # -- MoE: which names, how long, which groups --------------------------------------------------
 
 
+def is_placeholder(entry: EntrySnapshot) -> bool:
+    """An all-zero entry with ``MetricEntry``'s default groups: what ``ensure_initialized``
+    creates. It counts as not recorded (the router never records with those groups)."""
+    return (
+        entry.reduce_group is None
+        and entry.avg_group is None
+        and entry.needs_dp_avg
+        and not any(entry.values)
+    )
+
+
 def live_names(snapshots: Mapping[int, TrackerSnapshot], call: MoeCall) -> list[str]:
-    """Names the call reports: tracker names by rank then insertion order, then pre-init names."""
+    """Names the call reports: recorded names by rank then insertion order, then pre-init names.
+
+    A placeholder (`is_placeholder`) is not a recorded name.
+    """
     names: dict[str, None] = {}
     for rank in sorted(snapshots):
-        names.update(dict.fromkeys(snapshots[rank].moe))
+        moe = snapshots[rank].moe
+        names.update(dict.fromkeys(n for n, entry in moe.items() if not is_placeholder(entry)))
     if call.preinit_length is not None and call.track_names:
         names.update(dict.fromkeys(call.track_names))
     return list(names)
 
 
 def holders_of(snapshots: Mapping[int, TrackerSnapshot], name: str) -> dict[int, EntrySnapshot]:
-    """The ranks whose tracker holds ``name``, with their entries, by ascending rank."""
-    return {r: snapshots[r].moe[name] for r in sorted(snapshots) if name in snapshots[r].moe}
+    """The ranks that recorded ``name`` (placeholders excluded), with their entries."""
+    return {
+        r: snapshots[r].moe[name]
+        for r in sorted(snapshots)
+        if name in snapshots[r].moe and not is_placeholder(snapshots[r].moe[name])
+    }
 
 
-def agreed_length(holders: Mapping[int, EntrySnapshot], call: MoeCall) -> int:
-    """Vector length every rank reduces for a name: the longest entry or the pre-init length."""
+def agreed_length(holders: Mapping[int, EntrySnapshot], name: str, call: MoeCall) -> int:
+    """Vector length every rank reduces for a name: the longest recorded entry, or the pre-init
+    length for a name in ``track_names`` when that is longer."""
     lengths = [len(entry.values) for entry in holders.values()]
-    if call.preinit_length is not None:
+    if call.preinit_length is not None and name in (call.track_names or []):
         lengths.append(call.preinit_length)
     return max(lengths, default=0)
 
@@ -274,7 +299,7 @@ def expected_moe_metrics(
     for name in live_names(snapshots, call):
         holders = holders_of(snapshots, name)
         reduction = name_reduction(name, holders, places)
-        length = agreed_length(holders, call)
+        length = agreed_length(holders, name, call)
         vectors = reduced_moe_vectors(holders, places, reduction, length)
         for rank, values in vectors.items():
             result[rank].update(name_metrics(name, values, call))
@@ -353,11 +378,9 @@ def reduced_mtp_vectors(holders: Mapping[int, MtpSnapshot]) -> tuple[Vectors, Ve
 
 
 def acceptance_rate(correct: float, total: float) -> float:
-    """``100 * correct / max(total, 1)``, clamped into [0, 100] (NaN stays NaN)."""
-    rate = 100.0 * correct / max(total, 1.0)
-    if math.isnan(rate):
-        return rate
-    return min(100.0, max(0.0, rate))
+    """``100 * correct / max(total, 1)`` (Megatron's ``track_mtp_metrics``; counts are whole
+    tokens with correct <= total, so the rate lies in [0, 100])."""
+    return 100.0 * correct / max(total, 1.0)
 
 
 def mtp_rank_metrics(
@@ -403,7 +426,15 @@ def expected_mtp_metrics(
 # -- comparison --------------------------------------------------------------------------------
 
 
-def close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+REL_TOLERANCE = 1e-4
+"""Relative tolerance: float32 reductions of at most a few hundred non-negative terms agree with
+the float64 oracle to ~1e-5; a missing or doubled scale is off by a factor >= 1.5."""
+ABS_FLOOR = 1e-40
+"""Absolute floor, far below the smallest non-zero value the generators produce (about 1e-35:
+1e-30 scaled by 1e-3 and divided by a few dozen layers) and below float32's subnormals."""
+
+
+def close(a: float, b: float, *, rel: float = REL_TOLERANCE, abs_: float = ABS_FLOOR) -> bool:
     """Whether ``a`` and ``b`` agree: NaN equals NaN, infinities exactly, else within tolerance."""
     if math.isnan(a) or math.isnan(b):
         return math.isnan(a) and math.isnan(b)
@@ -412,19 +443,35 @@ def close(a: float, b: float, *, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
     return abs(a - b) <= max(abs_, rel * max(abs(a), abs(b)))
 
 
+def as_number(value: object) -> float | None:
+    """A returned metric as a float: a Python or numpy real number, or a one-element tensor
+    (encoded as plain data by the rank); ``None`` for anything else (bools included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, dict) and set(value) == {TENSOR_KEY}:
+        tensor = value[TENSOR_KEY]
+        numbers = tensor.get("values") if isinstance(tensor, dict) else None
+        if isinstance(numbers, list) and len(numbers) == 1 and not isinstance(numbers[0], bool):
+            return float(numbers[0])
+    return None
+
+
 def value_difference(key: str, expected: float, actual: object) -> str | None:
     """Why ``actual`` is not an acceptable value for ``key``, or ``None`` if it is."""
-    if not isinstance(actual, float):
-        return f"{key!r}: value {actual!r} is of type {type(actual).__name__}, not float"
-    if not close(expected, actual):
-        return f"{key!r}: expected {expected!r}, got {actual!r}"
+    number = as_number(actual)
+    if number is None:
+        return f"{key!r}: value {actual!r} is not a number"
+    if not close(expected, number):
+        return f"{key!r}: expected {expected!r}, got {number!r}"
     return None
 
 
 def compare_metrics(expected: dict[str, float], actual: object) -> list[str]:
     """Human-readable differences between an expected metrics dict and what a rank returned.
 
-    Reports a non-dict result, missing keys, extra keys, non-float values and values that are
+    Reports a non-dict result, missing keys, extra keys, non-numeric values and values that are
     not `close`. An empty list means the result is acceptable.
     """
     if not isinstance(actual, dict):

@@ -61,6 +61,8 @@ class CallReport(Frozen):
     seconds: float = 0.0
     collectives: list[CollectiveCall] = Field(default_factory=list)
     total_loss_dict: dict[str, float] | None = None
+    buffer: Any = None
+    """``broadcast_tensor``: the receiver's own buffer after the call (encoded), if it passed one."""
 
 
 class Ready(Frozen):

@@ -238,6 +238,11 @@ class RankServer:
                     if isinstance(spec, MoeCall) and spec.use_total_loss_dict
                     else None
                 ),
+                "buffer": (
+                    encode(arguments["tensor"])
+                    if isinstance(spec, BroadcastCall) and self.rank in spec.buffers
+                    else None
+                ),
             }
         )
 

@@ -1,13 +1,19 @@
-"""``pipemetrics replay FILE``: re-run a scenario exactly and print the same verdict."""
+"""``pipemetrics replay FILE``: re-run a scenario exactly and judge it as the runner did.
+
+A scenario written by ``pipemetrics check`` names its property and semantic profile; the run is
+judged by that property's judge (`pipemetrics.properties.verdict.judge_run`), so the replay
+prints the runner's verdict, exits 1 while the failure persists and 0 once it is fixed.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.summary import run_passed, summarize
+from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.target import TargetLoadError
 from pipemetrics.sim.world import World, WorldStartError
 
@@ -21,7 +27,10 @@ def replay_main(
     load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
 ) -> int:
     """Exit 0 when the run passes, 1 when it fails, 2 when the file, the ``impl`` target (loaded
-    first in a child process, under ``load_timeout_s``) or the world is unusable."""
+    first in a child process, under ``load_timeout_s``), the world or the judge is unusable."""
+    from pipemetrics.properties.runview import HarnessFault
+    from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
+
     try:
         scenario = load_scenario(path)
     except ScenarioFileError as exc:
@@ -41,6 +50,19 @@ def replay_main(
         print(f"pipemetrics replay: cannot start the world: {exc}", file=sys.stderr)
         return 2
     print(summarize(scenario, run))
+    try:
+        problems = judge_run(scenario, run)
+    except (HarnessFault, UnknownProperty) as exc:
+        print(f"pipemetrics replay: cannot judge the run: {exc}", file=sys.stderr)
+        return 2
+    print(judgement_text(scenario, problems))
     if json_out is not None:
-        Path(json_out).write_text(run.model_dump_json(indent=2), encoding="utf-8")
-    return 0 if run_passed(scenario, run) else 1
+        report = {
+            "property": scenario.property,
+            "profile": scenario.profile,
+            "passed": not problems,
+            "problems": problems,
+            "run": json.loads(run.model_dump_json()),
+        }
+        Path(json_out).write_text(json.dumps(report, indent=2), encoding="utf-8")
+    return 1 if problems else 0

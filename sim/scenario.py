@@ -35,6 +35,11 @@ class Scenario(Frozen):
     target: str = DEFAULT_TARGET
     steps: list[Step]
     deadline_s: Annotated[float, Field(gt=0)] = 30.0
+    property: str | None = None
+    """The conformance property that produced the scenario; ``pipemetrics replay`` judges the
+    run with it (``None``: a hand-made scenario, judged by the verdict and the oracle)."""
+    profile: Literal["seed", "megatron", "strict"] | None = None
+    """The semantic profile the property was checked under (``None`` means ``seed``)."""
 
     @model_validator(mode="after")
     def _records_fit(self) -> Scenario:

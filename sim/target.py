@@ -1,9 +1,10 @@
 """Loading the implementation under test, and calling it the way a trainer does.
 
-A target is a dotted module name (``pipemetrics.reference``, ``mytrainer.megatron.common``) or a
-path to a ``.py`` file. Each scenario gets a freshly executed module object, so module-level
-caches of the implementation cannot leak from one example into the next (for a package, the
-package's ``__init__`` is re-executed; its submodules stay imported).
+A target is a dotted module name (``pipemetrics.reference``, ``mytrainer.megatron.common``), a
+path to a ``.py`` file, or a built-in name (`BUILTIN_TARGETS`: ``megatron-core``, Megatron's
+own logging code). Each scenario gets a freshly executed module object, so module-level caches
+of the implementation cannot leak from one example into the next (for a package, the package's
+``__init__`` is re-executed; its submodules stay imported).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import hashlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any
 
 API_FUNCTIONS: tuple[str, ...] = (
@@ -24,6 +25,17 @@ API_FUNCTIONS: tuple[str, ...] = (
     "get_moe_metrics",
     "get_mtp_metrics",
 )
+
+
+BUILTIN_TARGETS: Mapping[str, str] = MappingProxyType(
+    {"megatron-core": "pipemetrics.sim.builtin_megatron_core"}
+)
+"""Built-in target names and the modules behind them (no name here is a valid module name)."""
+
+
+def resolve_builtin(target: str) -> str:
+    """The module behind a built-in target name; any other target unchanged."""
+    return BUILTIN_TARGETS.get(target, target)
 
 
 class TargetLoadError(ImportError):
@@ -42,7 +54,7 @@ def load_target(target: str) -> ModuleType:
     defines can be pickled between ranks (``all_gather_object`` of a dataclass, say).
     """
     try:
-        spec = _spec_for(target)
+        spec = _spec_for(resolve_builtin(target))
         module = importlib.util.module_from_spec(spec)
         assert spec.loader is not None
         sys.modules[spec.name] = module

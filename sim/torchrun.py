@@ -24,7 +24,7 @@ from pipemetrics.sim.coordinator import Verdict
 from pipemetrics.sim.protocol import Done, Task
 from pipemetrics.sim.rank import RankServer, join_world
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.summary import run_passed, summarize
+from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.world import RankResult, WorldRun
 
 DEADLINE_EXIT = 124
@@ -95,8 +95,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds=0.0,
             reusable=False,
         )
+        from pipemetrics.properties.verdict import judge_run, judgement_text
+
         print(summarize(scenario, run))
-        passed = run_passed(scenario, run)
+        problems = judge_run(scenario, run)
+        print(judgement_text(scenario, problems))
+        passed = not problems
     dist.destroy_process_group()
     return 0 if passed else 1
 

@@ -28,11 +28,13 @@ def make_tensor(shape: list[int], dtype: str, seed: int, non_contiguous: bool) -
 
 
 def describe_tensor(tensor: torch.Tensor) -> dict[str, Any]:
+    """dtype, shape, device type and values (``None`` for a meta tensor: it holds none)."""
+    meta = tensor.device.type == "meta"
     return {
         "dtype": str(tensor.dtype).removeprefix("torch."),
         "shape": list(tensor.shape),
         "device": tensor.device.type,
-        "values": tensor.detach().cpu().reshape(-1).tolist(),
+        "values": None if meta else tensor.detach().cpu().reshape(-1).tolist(),
     }
 
 

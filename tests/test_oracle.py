@@ -6,9 +6,12 @@ import math
 
 import pytest
 
+from pipemetrics.properties.strategies import LOSS_SCALES
+from pipemetrics.properties.synthetic import VALUE_BANDS
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.oracle import (
+    as_number,
     close,
     compare_metrics,
     expected_moe_metrics,
@@ -18,6 +21,7 @@ from pipemetrics.sim.oracle import (
 )
 from pipemetrics.sim.records import EntrySnapshot, MtpSnapshot, RankPlace, TrackerSnapshot
 from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.values import TENSOR_KEY
 
 LBL = "load_balancing_loss"
 
@@ -251,12 +255,12 @@ def test_mtp_last_stage_average_and_acceptance() -> None:
     assert result[2] == expected and result[3] == expected
 
 
-def test_mtp_acceptance_clamped_to_100_and_total_zero() -> None:
+def test_mtp_acceptance_is_the_seed_formula_on_whole_counts() -> None:
     places = places_for(WorldSpec())
-    snap = MtpSnapshot(loss=[1.0, 1.0], correct=[5.0, 0.5], total=[2.0, 0.0])
+    snap = MtpSnapshot(loss=[1.0, 1.0, 1.0], correct=[3.0, 0.0, 7.0], total=[4.0, 0.0, 7.0])
     result = expected_mtp_metrics({0: TrackerSnapshot(mtp=snap)}, places, MtpCall())
-    assert result[0]["mtp_1_acceptance_rate"] == 100.0
-    assert result[0]["mtp_2_acceptance_rate"] == 50.0  # 100 * 0.5 / max(0, 1)
+    rates = [result[0][f"mtp_{i}_acceptance_rate"] for i in (1, 2, 3)]
+    assert rates == [75.0, 0.0, 100.0]  # 100 * correct / max(total, 1)
 
 
 def test_mtp_reduce_group_sums_before_average() -> None:
@@ -319,10 +323,36 @@ def test_total_loss_dict_sums_means_only() -> None:
     assert totals == {0: {LBL: 13.5, "other": 7.0, "z_loss": 1.0}}
 
 
+def test_recorded_name_outside_track_names_keeps_its_own_length() -> None:
+    # a custom metric [1, 3] next to num_layers=4: its mean is over its own two entries
+    places = places_for(WorldSpec())
+    snaps = {0: TrackerSnapshot(moe={"custom": entry(places[0], [1.0, 3.0], reduce=None)})}
+    call = MoeCall(loss_scale=1.0, num_layers=4, track_names=[LBL])
+    result = expected_moe_metrics(snaps, places, call)
+    assert result == {0: {"custom": 2.0, LBL: 0.0}}
+
+
+def test_placeholder_is_not_a_recording() -> None:
+    # stage 0 holds what ensure_initialized made (zeros, default groups); stage 1 recorded with
+    # the router's groups: stage 0 joins stage 1's groups, and a placeholder alone is no name
+    places = places_for(WorldSpec(pp=2, dp=2))
+    placeholder = EntrySnapshot(values=[0.0, 0.0])
+    glb = "global_load_balancing_loss"
+    snaps = {
+        0: TrackerSnapshot(moe={glb: placeholder, "z_loss": placeholder}),
+        1: TrackerSnapshot(moe={glb: placeholder}),
+        2: TrackerSnapshot(moe={glb: entry(places[2], [0.0, 0.0], "tp_dp_cp", None, False)}),
+        3: TrackerSnapshot(moe={glb: entry(places[3], [0.0, 1.0], "tp_dp_cp", None, False)}),
+    }
+    result = expected_moe_metrics(snaps, places, MoeCall(loss_scale=1.0))
+    assert result == {rank: {glb: 0.5} for rank in places}
+
+
 def test_close() -> None:
     assert close(1.0, 1.0 + 1e-6)
     assert not close(1.0, 1.001)
-    assert close(0.0, 5e-7)
+    assert not close(0.0, 5e-7)
+    assert close(0.0, 0.0) and close(1e-35, 1e-35 * (1 + 1e-6))
     assert close(math.nan, math.nan)
     assert not close(math.nan, 1.0)
     assert close(math.inf, math.inf)
@@ -333,15 +363,19 @@ def test_close() -> None:
 def test_compare_metrics_reports_every_kind_of_difference() -> None:
     expected = {"a": 1.0, "b": 2.0, "c": 3.0, "d": math.nan}
     actual: object = {"a": 1.0, "b": 2.5, "c": 3, "d": math.nan, "e": 0.0}
+    actual["f"] = True
+    expected["f"] = 1.0
     problems = compare_metrics(expected, actual)
     assert len(problems) == 3
+    assert any("'f'" in p and "not a number" in p for p in problems)
     assert any("extra key 'e'" in p for p in problems)
     assert any("'b'" in p and "2.0" in p and "2.5" in p for p in problems)
-    assert any("'c'" in p and "int" in p for p in problems)
+    assert not any("'c'" in p for p in problems)  # an int 3 is the number 3.0
     assert compare_metrics(expected, {"a": 1.0}) == [
         "missing key 'b' (expected 2.0)",
         "missing key 'c' (expected 3.0)",
         "missing key 'd' (expected nan)",
+        "missing key 'f' (expected 1.0)",
     ]
     assert compare_metrics({"a": 1.0}, None) == ["result is of type NoneType, not dict: None"]
     assert compare_metrics({"a": 1.0}, {"a": 1.00001}) == []
@@ -364,3 +398,32 @@ def test_tracker_snapshot_reads_both_mtp_layouts() -> None:
         assert snapshot().mtp is None
     finally:
         reset_trackers()
+
+
+# -- tolerance: no check passes because its tolerance swallowed the error ----------------------
+
+
+@pytest.mark.parametrize("band", sorted(VALUE_BANDS))
+@pytest.mark.parametrize("edge", [0, 1])
+def test_every_value_band_catches_doubling_missing_scale_and_zero(band: str, edge: int) -> None:
+    low, high = VALUE_BANDS[band]
+    recorded = (low, high)[edge]
+    for scale in (*LOSS_SCALES, 1 / 4):
+        for denominator in (1, 3, 40):
+            expected = scale * recorded / denominator
+            if expected == 0.0:
+                continue
+            assert close(expected, expected * (1 + 1e-6)), (band, scale)
+            assert not close(expected, 2 * expected), ("doubled", band, scale)
+            assert not close(expected, 0.0), ("zero", band, scale)
+            if scale != 1.0:
+                assert not close(expected, recorded / denominator), ("scale missing", band, scale)
+                assert not close(expected, scale * expected), ("scaled twice", band, scale)
+
+
+def test_as_number_reads_what_trainers_return() -> None:
+    one_element = {TENSOR_KEY: {"dtype": "float32", "shape": [], "values": [2.5]}}
+    assert as_number(2.5) == 2.5 and as_number(3) == 3.0 and as_number(one_element) == 2.5
+    assert as_number(True) is None and as_number("1.0") is None and as_number(None) is None
+    two = {TENSOR_KEY: {"dtype": "float32", "shape": [2], "values": [1.0, 2.0]}}
+    assert as_number(two) is None

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.properties.catalogue import PROPERTY_IDS
+from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
+from pipemetrics.sim.replay import replay_main
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -25,8 +26,9 @@ REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
 CONTRACT_KEYS = {"target", "profile", "conformant", "properties"}
 ENTRY_KEYS = {
     "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
+    "cites",
 }  # fmt: skip
-CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.errors_everywhere"]
+CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.value_error"]
 
 
 def check(
@@ -80,14 +82,15 @@ def test_json_contract(tmp_path: Path, bounds: Bounds) -> None:
     assert "round_up.least_multiple" in output and "CONFORMANT" in output
 
 
-@pytest.mark.parametrize("profile", ["seed", "megatron"])
+@pytest.mark.parametrize("profile", ["seed", "megatron", "strict"])
 def test_reference_passes_everything(tmp_path: Path, bounds: Bounds, profile: str) -> None:
     code, data, output = check(
         tmp_path, "--profile", profile, "--hypothesis-profile", "dev", "--max-examples", "4",
         "--seed", "1", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
-    assert statuses(data) == dict.fromkeys(PROPERTY_IDS, "pass"), output
+    in_profile = [p.id for p in CATALOGUE if profile in p.profiles]
+    assert statuses(data) == dict.fromkeys(in_profile, "pass"), output
     assert code == 0
     assert data["profile"] == profile
 
@@ -174,6 +177,27 @@ def test_failure_report_and_replay(tmp_path: Path, bounds: Bounds) -> None:
     replay_file = Path(entry["replay"].split(" ", 2)[2])
     assert replay_file.is_file()
     assert "minimal counterexample" in output and "reproduce with" in output
+    # the replay re-judges with the same property: same verdict, exit 1 while it fails
+    saved = json.loads(replay_file.read_text())
+    assert (saved["property"], saved["profile"]) == ("round_up.least_multiple", "seed")
+    replayed = tmp_path / "replay.json"
+    assert replay_main(str(replay_file), impl=None, raw=False, json_out=str(replayed)) == 1
+    again = json.loads(replayed.read_text())
+    assert again["problems"] == entry["message"].splitlines()
+    fixed = tmp_path / "fixed_round_up.py"
+    fixed.write_text(
+        "def _round_up_to_multiple(value: int, multiple: int) -> int:\n"
+        "    return -(-value // multiple) * multiple\n"
+    )
+    assert replay_main(str(replay_file), impl=str(fixed), raw=False, json_out=None) == 0
+
+
+def test_only_a_property_of_another_profile_is_a_usage_error(
+    tmp_path: Path, bounds: Bounds
+) -> None:
+    code, _, output = check(tmp_path, "--only", "broadcast.errors_everywhere", bounds=bounds)
+    assert code == 2
+    assert "not part of the seed profile" in output and "--profile strict" in output
 
 
 def test_skip_and_xfail_lists(tmp_path: Path, bounds: Bounds) -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
-from pipemetrics.sim.summary import run_passed
 from pipemetrics.sim.topology import places_for
 
 from .conftest import Bounds, Lines, TrackingPool, assert_nothing_left, pid_alive
@@ -61,7 +61,7 @@ def write_target(directory: Path, name: str, body: str) -> Path:
 
 def test_reference_is_clean(pool: TrackingPool) -> None:
     run = pool.run(scenario_for("pipemetrics.reference"))
-    assert run_passed(scenario_for("pipemetrics.reference"), run), run.verdict.message
+    assert not judge_run(scenario_for("pipemetrics.reference"), run), run.verdict.message
     assert run.reusable and run.collectives_released > 0
 
 
@@ -256,7 +256,7 @@ def test_reference_clean_over_random_router_layouts(pool: TrackingPool) -> None:
             * 2,
         )
         run = pool.run(scenario)
-        assert run_passed(scenario, run), (layout, run.verdict.message)
+        assert not judge_run(scenario, run), (layout, run.verdict.message)
 
 
 def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> None:
@@ -278,7 +278,7 @@ def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> No
                 steps=[Step(records=StepRecords(moe=per_rank), calls=[MoeCall(loss_scale=0.25)])],
             )
             run = pool.run(scenario)
-            assert run_passed(scenario, run), run.verdict.message
+            assert not judge_run(scenario, run), run.verdict.message
 
 
 # -- the controller going away --------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""What Megatron's real recording paths can put into its trackers: the reachability model.
+
+The generators (`pipemetrics.properties.synthetic`) must only produce tracker states that
+megatron-core itself can produce, or a correct implementation could fail on a state no trainer
+ever sees. This module writes the model down once, as a predicate on a rank's tracker snapshot
+after one training step's recording (`tracker_violations`). Tests hold both sides to it: every
+state the synthetic generators produce, and every state megatron-core's real ``TopKRouter`` and
+``MTPLossLoggingHelper`` produce in router mode, must satisfy it.
+
+MoE tracker (``MoEMetricsTracker.record``, called only by ``TopKRouter``):
+
+* a rank holds entries only if its pipeline stage owns a router (a main MoE layer, or an MoE
+  MTP layer); it then holds exactly the names the router records for the config
+  (`ModelLayout.live_track_names`), inserted in the router's order (``z_loss`` first, then
+  ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``);
+* every entry has length ``num_layers + mtp_num_layers`` and the router's groups for its name
+  (`ROUTER_REDUCTION`);
+* values are sums over microbatches of per-forward losses divided by their coefficient: finite
+  and >= 0 (aux losses, z-loss), non-zero only in the stage's router slots, except ``z_loss``
+  with ``moe_z_loss_coeff == 0.0``, which the router records as ``0 / 0``: NaN in its slots.
+
+MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``):
+
+* held only by the ranks of the stage holding the MTP layers, each with ``mtp_num_layers`` slots,
+  no reduce group and the data+context-parallel group as avg group;
+* loss: a per-token cross entropy, finite and >= 0; correct and total: whole token counts with
+  ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones);
+* the tensor-parallel ranks of one (pp, cp, dp) coordinate hold the same loss and counts (the
+  vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.records import (
+    ROUTER_REDUCTION,
+    EntrySnapshot,
+    MtpSnapshot,
+    RankPlace,
+    StepRecords,
+    TrackerSnapshot,
+)
+
+MTP_AVG_ROLE = "dp_cp"
+"""The group role ``process_mtp_loss`` passes as ``avg_group``."""
+
+
+def nan_recorded(setup: Setup, name: str) -> bool:
+    """Whether the router records ``name`` as NaN (z-loss with a coefficient of exactly 0)."""
+    return name == "z_loss" and setup.layout.z_loss_coeff == 0.0
+
+
+def _role_ranks(place: RankPlace, role: str | None) -> tuple[int, ...] | None:
+    return None if role is None else place.groups[role]
+
+
+def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) -> list[str]:
+    """How ``snapshot``'s MoE entries break the model (empty: Megatron can record them)."""
+    layout = setup.layout
+    stage = place.pp_rank
+    expected = layout.live_track_names if setup.records_moe(stage) else []
+    names = list(snapshot.moe)
+    if names != expected:
+        return [f"rank {place.rank}: names {names}, but the router records {expected}"]
+    problems = []
+    slots = set(setup.router_slots(stage))
+    for name, entry in snapshot.moe.items():
+        where = f"rank {place.rank} {name}"
+        if len(entry.values) != layout.track_length:
+            problems.append(f"{where}: length {len(entry.values)} != {layout.track_length}")
+        reduce, avg, needs_dp_avg = ROUTER_REDUCTION[name]
+        groups = (_role_ranks(place, reduce), _role_ranks(place, avg), needs_dp_avg)
+        if (entry.reduce_group, entry.avg_group, entry.needs_dp_avg) != groups:
+            problems.append(f"{where}: groups differ from the router's {groups}")
+        for slot, value in enumerate(entry.values, start=1):
+            if slot not in slots:
+                if value != 0.0:
+                    problems.append(f"{where}[{slot - 1}] = {value} outside the router slots")
+            elif nan_recorded(setup, name) != math.isnan(value):
+                problems.append(f"{where}[{slot - 1}] = {value}: NaN exactly for z_loss coeff 0")
+            elif not math.isnan(value) and not (0.0 <= value < math.inf):
+                problems.append(f"{where}[{slot - 1}] = {value} is not finite and >= 0")
+    return problems
+
+
+def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) -> list[str]:
+    """How ``snapshot``'s MTP tracker breaks the model (empty: Megatron can record it)."""
+    layout = setup.layout
+    holds = bool(setup.mtp_layers_on_stage(place.pp_rank))
+    mtp = snapshot.mtp
+    if mtp is None or not holds:
+        return [] if (mtp is None) == (not holds) else [f"rank {place.rank}: MTP tracker {mtp}"]
+    where = f"rank {place.rank} MTP"
+    problems = []
+    if len(mtp.loss) != layout.mtp_num_layers:
+        problems.append(f"{where}: {len(mtp.loss)} loss slots != {layout.mtp_num_layers}")
+    if mtp.reduce_group is not None or mtp.avg_group != place.groups[MTP_AVG_ROLE]:
+        problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
+    if not all(0.0 <= v < math.inf for v in mtp.loss):
+        problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
+    if mtp.correct is not None and mtp.total is not None:
+        for i, (correct, total) in enumerate(zip(mtp.correct, mtp.total, strict=True)):
+            whole = correct == int(correct) and total == int(total)
+            if not (whole and 0 <= correct <= total):
+                problems.append(f"{where}[{i}]: correct {correct}, total {total}")
+    return problems
+
+
+def tp_peer_violations(
+    setup: Setup, places: dict[int, RankPlace], snapshots: dict[int, TrackerSnapshot]
+) -> list[str]:
+    """MTP trackers that differ between tensor-parallel peers (they compute the same numbers)."""
+    problems = []
+    for rank, place in places.items():
+        for peer in place.groups["tp"]:
+            mine, theirs = snapshots[rank].mtp, snapshots[peer].mtp
+            if peer <= rank or mine is None or theirs is None:
+                continue
+            if (mine.loss, mine.correct, mine.total) != (theirs.loss, theirs.correct, theirs.total):
+                problems.append(f"ranks {rank} and {peer}: tensor-parallel peers' MTP differ")
+    return problems
+
+
+def tracker_violations(
+    setup: Setup, places: dict[int, RankPlace], snapshots: dict[int, TrackerSnapshot]
+) -> list[str]:
+    """Every way the per-rank snapshots after one step's recording break the model."""
+    problems = tp_peer_violations(setup, places, snapshots)
+    for rank, place in sorted(places.items()):
+        snapshot = snapshots[rank]
+        problems += moe_violations(setup, place, snapshot) + mtp_violations(setup, place, snapshot)
+    return problems
+
+
+def float32(value: float) -> float:
+    """``value`` rounded to float32, the dtype of Megatron's tracker tensors (an operation on
+    float32 values done in float64 and rounded once is the correctly rounded float32 result)."""
+    return float(struct.unpack("f", struct.pack("f", value))[0])
+
+
+def recorded_snapshots(
+    places: dict[int, RankPlace], records: StepRecords
+) -> dict[int, TrackerSnapshot]:
+    """The snapshots that feeding ``records`` to fresh trackers gives, computed without Megatron
+    in float32 like Megatron's tensors (a test ties this to the real ``record`` /
+    ``save_metrics_to_tracker``)."""
+    snapshots = {}
+    for rank, place in places.items():
+        moe: dict[str, EntrySnapshot] = {}
+        for rec in records.moe.get(rank, []):
+            values = list(moe[rec.name].values) if rec.name in moe else [0.0] * rec.num_layers
+            values[rec.layer_number - 1] = float32(
+                values[rec.layer_number - 1] + float32(rec.value)
+            )
+            groups = (_role_ranks(place, rec.reduce), _role_ranks(place, rec.avg))
+            moe[rec.name] = EntrySnapshot(values=values, reduce_group=groups[0],
+                                          avg_group=groups[1], needs_dp_avg=rec.needs_dp_avg)  # fmt: skip
+        mtp = None
+        for m in records.mtp.get(rank, []):
+            old = mtp or MtpSnapshot(loss=[0.0] * m.num_layers, correct=[0.0] * m.num_layers,
+                                     total=[0.0] * m.num_layers)  # fmt: skip
+            loss, correct, total = list(old.loss), list(old.correct or []), list(old.total or [])
+            k = m.layer_number
+            loss[k] = float32(loss[k] + float32(m.loss))
+            correct[k] = float32(correct[k] + float32(m.correct))
+            total[k] = float32(total[k] + float32(m.total))
+            mtp = MtpSnapshot(loss=loss, correct=correct, total=total,
+                              reduce_group=_role_ranks(place, m.reduce),
+                              avg_group=_role_ranks(place, m.avg))  # fmt: skip
+        snapshots[rank] = TrackerSnapshot(moe=moe, mtp=mtp)
+    return snapshots

@@ -1,0 +1,46 @@
+"""One judge for every entry point: ``check``, ``replay``, ``demo``, ``bench`` and torchrun.
+
+A scenario written by a failing property names that property and its semantic profile, and is
+judged by exactly that property's judge, so a replay prints the verdict the runner printed. A
+scenario made by hand names none and is judged as a whole (`judges.whole_run`).
+"""
+
+from __future__ import annotations
+
+from pipemetrics.properties.catalogue import BY_ID
+from pipemetrics.properties.judges import whole_run
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.world import WorldRun
+
+
+class UnknownProperty(ValueError):
+    """The scenario names a property ID this version of pipemetrics does not have."""
+
+
+def judge_run(scenario: Scenario, run: WorldRun) -> list[str]:
+    """The problems of ``run`` (empty: it passes), as the scenario's property judges them.
+
+    Raises `UnknownProperty` for a property ID not in the catalogue, and
+    `pipemetrics.properties.runview.HarnessFault` for a fault of pipemetrics itself.
+    """
+    if scenario.property is None:
+        return whole_run(scenario, run)
+    prop = BY_ID.get(scenario.property)
+    if prop is None:
+        raise UnknownProperty(
+            f"the scenario was written for property {scenario.property!r}, which this "
+            f"pipemetrics does not know; known: {', '.join(BY_ID)}"
+        )
+    return prop.judge(scenario, run)
+
+
+def judgement_text(scenario: Scenario, problems: list[str]) -> str:
+    """What the judge decided, for people: which judge, pass or fail, and every problem."""
+    judge = (
+        f"property {scenario.property} ({scenario.profile or 'seed'} profile)"
+        if scenario.property is not None
+        else "the whole run (a scenario without a property)"
+    )
+    lines = [f"judged by {judge}: {'FAIL' if problems else 'PASS'}"]
+    lines += [f"  - {problem}" for problem in problems]
+    return "\n".join(lines)
