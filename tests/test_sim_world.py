@@ -490,3 +490,10 @@ def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path, bounds: Bounds) 
 @pytest.mark.parametrize("world", [WorldSpec(pp=2, dp=2), WorldSpec(tp=2, pp=2)])
 def test_live_places_match_the_arithmetic(pool: TrackingPool, world: WorldSpec) -> None:
     assert pool.world(world).places == places_for(world)
+
+
+def test_a_legacy_layout_steps_key_is_ignored() -> None:
+    """Scenario files written before ``ModelLayout.steps`` was removed still load."""
+    layout = ModelLayout.model_validate({"num_layers": 2, "steps": 1})
+    assert layout == ModelLayout(num_layers=2)
+    assert "steps" not in layout.model_dump()
