@@ -6,7 +6,7 @@ some CI runners, inherits SIGINT *ignored*, and Python then leaves it ignored: C
 nothing). The first signal raises `Interrupted`, a `KeyboardInterrupt`, in the main thread:
 Hypothesis re-raises a `KeyboardInterrupt` without treating it as a test failure (it would
 treat a `SystemExit` as one and try to shrink it), and every context manager on the way up ends
-its worlds. Later signals are recorded but raise nothing, so they cannot cut that cleanup short
+its worlds. Later signals are ignored, so they cannot cut that cleanup short
 (it is bounded: a world's `close` takes a few seconds at most). The command then exits with
 ``128 + signum``: 130 for SIGINT, 143 for SIGTERM.
 
@@ -40,7 +40,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class SignalGuard:
-    """Turn the first SIGINT/SIGTERM into `Interrupted`; record, but do not raise, later ones.
+    """Turn the first SIGINT/SIGTERM into `Interrupted`; ignore later ones.
 
     Use as a context manager around a whole command; ``received`` is the first signal number
     (None when none arrived), ``exit_code`` the exit code it calls for.
