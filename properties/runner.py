@@ -38,7 +38,7 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
-from pipemetrics.sim.interrupt import stop_child
+from pipemetrics.sim.interrupt import signal_name, stop_child
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.scenario import DEFAULT_TARGET
@@ -231,7 +231,7 @@ def _worker_results(
     try:
         data = json.loads(Path(out).read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        how = f"killed by signal {signal_name(-code)}" if code < 0 else f"exited with code {code}"
         message = f"pipemetrics fault: the worker running it {how} without results"
         return [_not_run(prop, "error", message) for prop in share]
     coverage.merge(data["coverage"])

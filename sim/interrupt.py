@@ -75,6 +75,14 @@ class SignalGuard:
             signal.signal(signum, previous)
 
 
+def signal_name(signum: int) -> str:
+    """``SIGSEGV`` for 11; the number itself for a signal without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
 def stop_child(proc: subprocess.Popen[Any], grace_s: float = CHILD_GRACE_S) -> None:
     """End ``proc`` if it still runs: SIGTERM, then SIGKILL after ``grace_s``; always reaped."""
     if proc.poll() is None:

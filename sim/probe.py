@@ -22,6 +22,7 @@ from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pipemetrics.sim.interrupt import signal_name
 from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError
 
 DEFAULT_LOAD_TIMEOUT_S = 120.0
@@ -109,11 +110,7 @@ def _ending(code: int | None) -> str:
     if code is None:
         return "the loading process stopped answering"
     if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return f"killed by signal {name} while importing it"
+        return f"killed by signal {signal_name(-code)} while importing it"
     return f"exited with code {code} while importing it"
 
 

@@ -76,3 +76,16 @@ def test_the_probe_reports_what_a_healthy_target_defines(tmp_path: Path, bounds:
         require_api(str(empty), probe_target(str(empty), bounds(3, 30)))
     with pytest.raises(TargetLoadError, match="--load-timeout must be > 0"):
         probe_target(str(target), 0)
+
+
+def test_a_worker_that_ends_without_results_makes_its_properties_errors(tmp_path: Path) -> None:
+    """``check -n``: a crashed worker's exit code is never passed on; its properties error."""
+    from pipemetrics.properties.catalogue import CATALOGUE
+    from pipemetrics.properties.coverage import Coverage
+    from pipemetrics.properties.runner import _worker_results
+
+    share = list(CATALOGUE[:2])
+    results = _worker_results(-signal.SIGKILL, str(tmp_path / "none.json"), share, Coverage())
+    assert [r.id for r in results] == [p.id for p in share]
+    assert {r.status for r in results} == {"error"}
+    assert all("killed by signal SIGKILL without results" in (r.message or "") for r in results)
