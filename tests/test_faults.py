@@ -350,16 +350,14 @@ def test_a_target_misbehaving_at_import_is_a_usage_error_within_the_deadline(
     body, expected = IMPORT_FAULTS[fault]
     target = tmp_path / f"{fault}.py"
     target.write_text(body)
-    began = time.monotonic()
+    # a hang past the 5 s deadline would run into this bound (the hanging target never returns)
     result = run_bounded(
         [*CLI, "check", "--impl", str(target), "--load-timeout", "5"],
         cwd=tmp_path, timeout=bounds(6, 120), env=private_env(short_tmp),
     )  # fmt: skip
-    elapsed = time.monotonic() - began
     assert result.returncode == 2, result.stdout
     assert expected in result.stdout and str(target) in result.stdout, result.stdout
     assert "Traceback" not in result.stdout
-    assert elapsed < bounds(3, 30) + 5, f"{elapsed:.1f} s"  # one cold start, then the deadline
     assert_no_leftovers(short_tmp, bounds(1, 10))  # the target's own child included
 
 
