@@ -354,7 +354,7 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None
     )
     assert result.returncode == 1, result.stderr
     assert "verdict: deadlock" in result.stdout
-    assert json.loads(out.read_text())["verdict"]["kind"] == "deadlock"
+    assert json.loads(out.read_text())["run"]["verdict"]["kind"] == "deadlock"
     fixed = subprocess.run(
         [
             sys.executable,
