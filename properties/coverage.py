@@ -88,6 +88,26 @@ def broadcast_features(call: BroadcastCall) -> list[str]:
     return found
 
 
+def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
+    """The argument forms of a ``get_moe_metrics`` call (strict generates them all)."""
+    found = []
+    if call.num_layers is None:
+        found.append("num_layers=None")
+    if call.track_names is None:
+        found.append("track_names=None")
+    elif not call.track_names:
+        found.append("track_names=[]")
+    else:
+        live = set(setup.layout.live_track_names)
+        if live - set(call.track_names):
+            found.append("recorded_names_outside_track_names")
+        if set(call.track_names) - live:
+            found.append("track_names_never_recorded")
+    if setup.layout.mtp_num_layers and call.mtp_num_layers is None:
+        found.append("mtp_num_layers=None_with_mtp")
+    return found
+
+
 def features(scenario: Scenario) -> list[str]:
     """The traits of one scenario."""
     world = scenario.setup.world
@@ -102,6 +122,8 @@ def features(scenario: Scenario) -> list[str]:
     for call in calls:
         if isinstance(call, BroadcastCall):
             found += broadcast_features(call)
+        elif isinstance(call, MoeCall):
+            found += moe_call_features(scenario.setup, call)
     return found
 
 

@@ -21,6 +21,7 @@ from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky
+from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
@@ -207,8 +208,9 @@ def run_property(
     result = PropertyResult(prop.id, prop.function, "pass")
     began = time.monotonic()
     flaky = False
+    said: list[str] = []
     try:
-        with shrink_budget(profile.shrink_budget_s):
+        with shrink_budget(profile.shrink_budget_s), with_reporter(lambda x: said.append(str(x))):
             test()
     except HarnessFault as exc:
         result.status, result.message = "error", f"pipemetrics fault: {exc}"
@@ -227,6 +229,11 @@ def run_property(
         result.status = "fail"
         result.message = _failure_message(failure, flaky)
         result.details = failure.details
+        if any("working to shrink" in line for line in said):
+            result.details = (
+                f"(shrinking stopped at its {profile.shrink_budget_s:.0f} s budget: the "
+                "counterexample is the smallest found by then)\n" + failure.details
+            )
         result.picture = failure.picture
         result.counterexample = failure.scenario.model_dump(mode="json")
         result.replay = _write_replay(prop, failure, options.report_dir)

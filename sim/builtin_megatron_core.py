@@ -27,9 +27,12 @@ What the adapter adds, and nothing else (no reduction, no scaling, no mean of it
    writes ``mtp_{i} loss``, ``mtp_{i}_acceptance_rate`` and ``mtp_{i}_cumulative_acceptance_rate``;
    the adapter returns the first as ``mtp_{i}_loss``, the second unchanged, and drops the
    cumulative rate (not part of the seed API). A rank where nothing is written returns ``{}``.
-3. **Arguments the seed leaves open.** ``iteration`` is 0 (only used as the writer's step);
-   ``num_layers=None`` raises `ValueError` (``report(force_initialize=True)`` needs it, and
-   ``training_log`` always passes ``config.num_layers``).
+3. **Arguments ``training_log`` never passes.** ``iteration`` is 0 (only used as the writer's
+   step). ``training_log`` always passes ``config.num_layers``; a seed caller may pass
+   ``num_layers=None``, which disables pre-initialisation in the seed API: the adapter then
+   calls ``report(force_initialize=False)`` with ``num_layers`` read off the tracker (its entry
+   length minus ``mtp_num_layers``, which is ``config.num_layers`` for entries the router made),
+   so the denominator stays the tracker length.
 
 ``total_loss_dict`` is handed to ``report()`` itself, which accumulates its means there.
 """
@@ -85,18 +88,20 @@ def get_moe_metrics(
     num_moe_layers: int | None = None,
 ) -> dict[str, Any]:
     """``get_moe_metrics_tracker().report(...)`` as Megatron-LM's ``training_log`` calls it."""
+    tracker = get_moe_metrics_tracker()
+    force_initialize = num_layers is not None
     if num_layers is None:
-        raise ValueError(
-            "the megatron-core target needs num_layers: report(force_initialize=True) requires "
-            "it (Megatron-LM's training_log passes config.num_layers)"
-        )
+        lengths = [entry.values.numel() for entry in tracker.metrics.values()]
+        if not lengths:
+            return {}  # nothing recorded, nothing to pre-initialise: report() has no names
+        num_layers = max(lengths) - (mtp_num_layers or 0)
     writer = ScalarCollector()
-    get_moe_metrics_tracker().report(
+    tracker.report(
         loss_scale=loss_scale,
         iteration=0,
         writer=writer,
         per_layer_logging=per_layer_logging,
-        force_initialize=True,
+        force_initialize=force_initialize,
         track_names=None if track_names is None else list(track_names),
         num_layers=num_layers,
         moe_layer_freq=moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers),

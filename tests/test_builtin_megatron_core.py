@@ -97,9 +97,10 @@ def test_collector_keeps_floats() -> None:
     assert all(type(v) is float for v in writer.scalars.values())
 
 
-def test_num_layers_is_required(fresh_trackers: None) -> None:
-    with pytest.raises(ValueError, match="needs num_layers"):
-        adapter.get_moe_metrics(1.0, track_names=["load_balancing_loss"])
+def test_without_num_layers_and_an_empty_tracker_nothing_is_reported(
+    fresh_trackers: None,
+) -> None:
+    assert adapter.get_moe_metrics(1.0, track_names=["load_balancing_loss"]) == {}
 
 
 # -- in real worlds, where Megatron is trivially right -------------------------------------------
@@ -277,3 +278,22 @@ def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path, bounds: Boun
         assert "target megatron-core" in proc.stdout
         assert "rank 2: 'global_load_balancing_loss': expected 0.5, got 0.25" in proc.stdout
         assert_no_leftovers(tmp, bounds(1, 10))
+
+
+@pytest.mark.parametrize("semantic", ["seed", "megatron"])
+def test_without_num_layers_the_tracker_length_is_the_denominator(
+    pool: TrackingPool, semantic: str
+) -> None:
+    # the seed's num_layers=None: no pre-initialisation; report() gets num_layers off the tracker
+    layout = ModelLayout(
+        num_layers=2, moe_layer_freq=[1, 0], mtp_num_layers=1, mtp_is_moe=True,
+        routing_type="aux_loss", aux_loss_coeff=0.01,
+    )  # fmt: skip
+    records = StepRecords(
+        moe={0: [rec("load_balancing_loss", 1, 3.0, 3), rec("load_balancing_loss", 3, 3.0, 3)]}
+    )
+    call = moe_call(layout, semantic, loss_scale=0.5).model_copy(update={"num_layers": None})
+    scenario, result = run(pool, Setup(layout=layout), [(records, [call])])
+    assert_judged_clean(scenario, result, MOE_PROPERTIES)
+    denominator = 3 if semantic == "seed" else 2  # slots 1..3, or 1 MoE layer + 1 MTP layer
+    assert values(result)[0] == {"load_balancing_loss": 0.5 * 6.0 / denominator}

@@ -192,3 +192,26 @@ def test_id_lists(tmp_path: Path) -> None:
     assert [p.id for p in select(["mtp"]).properties] == [
         p for p in PROPERTY_IDS if p.startswith("mtp.")
     ]
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "num_layers=None",
+        "track_names=None",
+        "track_names=[]",
+        "recorded_names_outside_track_names",
+        "track_names_never_recorded",
+        "mtp_num_layers=None_with_mtp",
+    ],
+)
+def test_strict_generates_every_argument_form(form: str) -> None:
+    found = find(s.moe_scenarios(CI, "strict"), lambda sc: form in features(sc), settings=FIND)
+    assert form in features(found)
+
+
+@FAST
+@given(s.moe_scenarios(CI, "seed"))
+def test_seed_generates_only_documented_forms_where_a_stage_lacks_moe(scenario: Scenario) -> None:
+    if not s.every_rank_records_every_name(scenario.setup):
+        assert not {"num_layers=None", "track_names=None"} & set(features(scenario))

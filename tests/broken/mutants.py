@@ -35,16 +35,24 @@ SEED_FUNCTIONS: frozenset[str] = frozenset(
 PROPERTY_IDS: frozenset[str] = frozenset(
     {
         "broadcast.errors_everywhere",
+        "broadcast.receiver_buffer",
+        "broadcast.roundtrip",
+        "broadcast.value_error",
         "moe.loss_scale",
         "moe.names",
         "moe.no_hang",
         "moe.per_layer",
+        "moe.rank_agreement",
         "moe.reset",
+        "moe.router_mode",
         "moe.total_loss_dict",
         "moe.values",
         "mtp.acceptance_rate",
         "mtp.keys",
         "mtp.loss_scale",
+        "mtp.no_hang",
+        "mtp.reset",
+        "round_up.least_multiple",
         "track_names.router_parity",
     }
 )
@@ -73,6 +81,9 @@ class Mutant(BaseModel):
     """Seed functions whose code the edits change."""
     sim_verdict: SimVerdict | None
     """Simulator verdict kind in a suitable scenario; None: the world stays healthy."""
+    profile: Literal["seed", "megatron", "strict"] = "seed"
+    """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
+    document leaves open and only the reference promises)."""
 
     @field_validator("name")
     @classmethod
@@ -284,7 +295,8 @@ _MUTANTS: list[Mutant] = [
         description=(
             "get_aux_loss_track_names always lists z_loss, also when moe_z_loss_coeff is None "
             "(the router then never records it), so a caller pre-initialises and reports a "
-            "permanently-zero z_loss. Scenario: a config without z-loss."
+            "permanently-zero z_loss. Scenario: a config without z-loss. Strict profile: the "
+            'API document leaves open whether z_loss is an "aux loss" name.'
         ),
         edits=(
             (
@@ -297,6 +309,7 @@ _MUTANTS: list[Mutant] = [
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
         sim_verdict=None,
+        profile="strict",
     ),
     Mutant(
         name="moe_always_reports_z_loss",
@@ -320,7 +333,8 @@ _MUTANTS: list[Mutant] = [
             "broadcast_tensor validates only the calling rank's own buffer after the metadata "
             "round: a receiver with a bad buffer (wrong shape/dtype/device, or not a Tensor) "
             "raises ValueError alone while the source and the other receivers enter the data "
-            "broadcast and block. Scenario: 3 ranks, one receiver passes a wrong-shaped buffer."
+            "broadcast and block. Scenario: 3 ranks, one receiver passes a wrong-shaped buffer. "
+            "Strict profile: the API document only asks the faulty rank to raise."
         ),
         edits=(
             (
@@ -331,6 +345,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.errors_everywhere",),
         functions=("broadcast_tensor",),
         sim_verdict="deadlock",
+        profile="strict",
     ),
     Mutant(
         name="moe_loss_scale_twice",
@@ -372,6 +387,203 @@ _MUTANTS: list[Mutant] = [
             ),
         ),
         fails=("mtp.loss_scale",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="round_up_off_by_one",
+        description=(
+            "_round_up_to_multiple adds a whole multiple before flooring ((value + multiple) "
+            "// multiple * multiple, the '- 1' forgotten), so a value that already is a "
+            "multiple is rounded up to the next one: 8 -> 12 for multiple 4, 0 -> multiple, "
+            "and every value -> value + 1 for multiple 1. Scenario: any call with value % "
+            "multiple == 0."
+        ),
+        edits=(
+            (
+                "    return -(-value // multiple) * multiple\n",
+                "    return (value + multiple) // multiple * multiple\n",
+            ),
+        ),
+        fails=("round_up.least_multiple",),
+        functions=("_round_up_to_multiple",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="broadcast_none_receiver_default_dtype",
+        description=(
+            "A receiver that passes None allocates its receive tensor without the source's dtype "
+            "(torch.empty(shape, device=device): float32), so for any other source dtype the "
+            "receiver enters the broadcast with float32 while the source sends its own dtype "
+            "(garbage or an abort with real gloo/NCCL). Scenario: 2 ranks, source dtype int64, "
+            "the receiver passes None."
+        ),
+        edits=(
+            (
+                "        out = torch.empty(shape, dtype=_dtype_from_str(dtype_name), device=device)\n",
+                "        out = torch.empty(shape, device=device)\n",
+            ),
+        ),
+        fails=("broadcast.roundtrip",),
+        functions=("broadcast_tensor",),
+        sim_verdict="mismatch",
+    ),
+    Mutant(
+        name="broadcast_receiver_fresh_tensor",
+        description=(
+            "A receiver that passes a valid buffer receives into a fresh contiguous tensor and "
+            "returns that, leaving the caller's buffer untouched (the copy back forgotten). "
+            "Values, dtype and shape of the returned tensor are right; the buffer is not. "
+            "Scenario: 2 ranks, the receiver passes a float32[3] buffer."
+        ),
+        edits=(
+            (
+                "    recv = tensor if tensor.is_contiguous() else "
+                "torch.empty_like(tensor).contiguous()\n"
+                "    with torch.no_grad():\n"
+                "        dist.broadcast(recv, src=src_rank, group=group)\n"
+                "        if recv is not tensor:\n"
+                "            tensor.copy_(recv)\n"
+                "    return tensor\n",
+                "    recv = torch.empty_like(tensor).contiguous()  # a contiguous tensor to receive into\n"
+                "    with torch.no_grad():\n"
+                "        dist.broadcast(recv, src=src_rank, group=group)\n"
+                "    return recv\n",
+            ),
+        ),
+        fails=("broadcast.receiver_buffer",),
+        functions=("broadcast_tensor",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="broadcast_dtype_type_error",
+        description=(
+            "A receiver buffer with the wrong dtype is reported as TypeError instead of the "
+            "documented ValueError (raised on every rank, after the metadata round, so nothing "
+            "hangs). Wrong shape or device, and a source passing None, still raise ValueError. "
+            "Scenario: 2 ranks, source float32, the receiver passes an int64 buffer of the "
+            "right shape."
+        ),
+        edits=(
+            (
+                "            if d[2] != dtype_name:\n"
+                '                wrong.append(f"dtype {d[2]} (source {dtype_name})")\n',
+                "            if d[2] != dtype_name:\n"
+                "                raise TypeError(\n"
+                '                    f"broadcast_tensor: rank {rank} buffer has dtype {d[2]} "\n'
+                '                    f"(source {dtype_name})"\n'
+                "                )\n",
+            ),
+        ),
+        fails=("broadcast.value_error",),
+        functions=("broadcast_tensor",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_placeholder_skips_dp_avg",
+        description=(
+            "A name this rank did not record (a dense pipeline stage's pre-initialised zeros) is "
+            "created with needs_dp_avg=False ('zeros need no data-parallel average', to save a "
+            "collective). The pipeline SUM runs first and fills it with the recording stage's "
+            "values, so such a rank reports its own data-parallel replica's sum instead of the "
+            "DP mean: the dense stage disagrees with the MoE stage (and with the oracle). No "
+            "hang: a data-parallel group lies within one stage, whose ranks all skip. Scenario: "
+            "pp=2 x dp=2, stage 0 dense, stage 1 records load_balancing_loss with values that "
+            "differ between its two data-parallel ranks. moe.values fails in the same scenario "
+            "(not listed: one search is enough, and this layout is rare in the dev profile)."
+        ),
+        edits=(
+            (
+                "            entry.needs_dp_avg = meta.needs_dp_avg\n",
+                "            entry.needs_dp_avg = False  # a placeholder: nothing to average\n",
+            ),
+        ),
+        fails=("moe.rank_agreement",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_total_loss_overwritten",
+        description=(
+            "total_loss_dict[name] is overwritten with this step's mean instead of accumulated "
+            "(d[name] = mean, not d[name] + mean), so after several steps it holds the last "
+            "step only. Scenario: two steps with non-zero means and one total_loss_dict."
+        ),
+        edits=(
+            (
+                "            total_loss_dict[name] = mean if prev is None else prev + mean\n",
+                "            total_loss_dict[name] = mean\n",
+            ),
+        ),
+        fails=("moe.total_loss_dict",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_nan_mean_zeroed",
+        description=(
+            "A non-finite mean is reported as 0.0 ('keep NaN out of the logger'). That hides "
+            "exactly what the metric must show: megatron-core's router records z_loss / coeff, "
+            "NaN when moe_z_loss_coeff is 0.0 (and a diverging router's z_loss). Per-layer "
+            "values stay NaN. Synthetic records are finite, so only megatron's real routers "
+            "expose it. Scenario: router mode with moe_z_loss_coeff=0.0."
+        ),
+        edits=(
+            (
+                "        result[name] = float(mean)\n",
+                "        result[name] = float(mean) if torch.isfinite(mean) else 0.0\n",
+            ),
+        ),
+        fails=("moe.router_mode",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="mtp_reduce_on_logging_rank_only",
+        description=(
+            "Only the logging rank (the last global rank) reduces the MTP tracker; the other "
+            "holders skip the collectives and return their local values. The logging rank "
+            "then blocks in the all_reduce over the data+context-parallel avg_group whose other "
+            "members already returned. Scenario: dp=2 (the last stage has two data-parallel "
+            "ranks), mtp_num_layers=1."
+        ),
+        edits=(
+            (
+                "    if dist.is_available() and dist.is_initialized():\n"
+                "        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)\n",
+                "    logging_rank = dist.is_available() and dist.is_initialized() and "
+                "dist.get_rank() == dist.get_world_size() - 1\n"
+                "    if logging_rank:  # only the rank that logs needs the reduced values\n"
+                "        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)\n",
+            ),
+        ),
+        fails=("mtp.no_hang",),
+        functions=("get_mtp_metrics",),
+        sim_verdict="deadlock",
+    ),
+    Mutant(
+        name="mtp_tracker_not_cleaned",
+        description=(
+            "get_mtp_metrics does not clean the MTP tracker afterwards (relying on Megatron's "
+            "training loop, which the trainer does not run), so the next step's records are "
+            "added to this step's reduced values and the next result mixes both steps. "
+            "Scenario: two steps with non-zero MTP losses."
+        ),
+        edits=(
+            (
+                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n"
+                "    if clean is not None:\n"
+                "        clean()\n"
+                "    else:\n"
+                "        for key in (loss_key, *count_keys):\n"
+                "            if key in tracker:\n"
+                "                tracker[key].zero_()\n"
+                '        tracker["reduce_group"] = None\n'
+                '        tracker["avg_group"] = None\n',
+                "    # Megatron's training loop cleans the tracker after logging\n",
+            ),
+        ),
+        fails=("mtp.reset",),
         functions=("get_mtp_metrics",),
         sim_verdict=None,
     ),

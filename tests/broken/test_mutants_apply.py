@@ -9,6 +9,7 @@ the same situation against the reference and the mutant and pins both outcomes.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import uuid
@@ -24,6 +25,7 @@ from megatron.core.transformer.moe.moe_logging import (
     destroy_moe_metrics_tracker,
     get_moe_metrics_tracker,
 )
+from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.sim.trackers import reset_trackers
 
@@ -380,6 +382,90 @@ def _mtp_loss_scale(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return _values(m.get_mtp_metrics(0.25), "_loss")
 
 
+def _round_up(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    return [m._round_up_to_multiple(v, k) for v, k in ((0, 4), (4, 4), (5, 4), (8, 1), (7, 3))]
+
+
+def _broadcast_receive_none(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1 of 2 receives an int64[3] from rank 0, passing no buffer.
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.int64")})
+    mp.setattr(m, "dist", fake)
+    out = m.broadcast_tensor(None, 0, object())
+    return str(out.dtype), list(out.shape), fake.calls
+
+
+def _broadcast_into_buffer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1 of 2 receives a float32[3] from rank 0 into its own valid buffer.
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32")})
+    mp.setattr(m, "dist", fake)
+    buffer = torch.zeros(3)
+    out = m.broadcast_tensor(buffer, 0, object())
+    return out is buffer, fake.calls
+
+
+def _broadcast_wrong_dtype(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1 of 2 passes an int64 buffer of the right shape for a float32[3] source.
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32")})
+    mp.setattr(m, "dist", fake)
+    try:
+        m.broadcast_tensor(torch.zeros(3, dtype=torch.int64), 0, object())
+    except (ValueError, TypeError) as exc:
+        return type(exc).__name__, fake.calls, "rank 1" in str(exc)
+    return "returned", fake.calls
+
+
+def _placeholder_dp_avg(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # This rank (1 of 2) recorded only z_loss; rank 0 recorded AUX with the router's
+    # needs_dp_avg=True. The reduction must treat this rank's AUX placeholder alike.
+    _record(Z, [1.0, 1.0, 1.0, 1.0])
+    peer = _peer_payload(m, {}, [], 0)
+    peer["entries"][AUX] = m._EntryMeta(4, str(torch.float32), None, None, True)
+    _fake_world(m, mp, FakeDist(1, 2, {0: peer}))
+    tracker = get_moe_metrics_tracker()
+    seen: list[dict[str, bool]] = []
+
+    def sync(names: list[str], pg_collection: Any = None) -> None:
+        seen.append({n: bool(tracker.metrics[n].needs_dp_avg) for n in names})
+
+    mp.setattr(tracker, "_sync_metrics", sync)
+    m.get_moe_metrics(1.0)
+    return seen
+
+
+def _nan_mean(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # What the router records for z_loss with moe_z_loss_coeff=0.0: z_loss / 0.0 = NaN.
+    _record(Z, [math.nan, math.nan])
+    out = m.get_moe_metrics(1.0, None, True)
+    return _values(out, Z), _values(out, "", prefix="moe/")
+
+
+def _mtp_reduce_ranks(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Ranks 0 and 1 of 2 both hold the MTP tracker: which of them enter the helper's reduction
+    # (its collectives)? Patched with raising=False: megatron-core 0.18's helper lacks it.
+    seen = []
+    for rank in (0, 1):
+        set_mtp_tracker([4.0], [1.0], [2.0])
+        calls: list[str] = []
+        mp.setattr(
+            MTPLossLoggingHelper,
+            "reduce_metrics_in_tracker",
+            functools.partial(calls.append, "reduce"),
+            raising=False,
+        )
+        mp.setattr(m, "dist", FakeDist(rank, 2))
+        m.get_mtp_metrics(1.0)
+        seen.append(calls)
+        mp.undo()
+    return seen
+
+
+def _mtp_after_call(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    set_mtp_tracker([4.0, 2.0], [1.0, 1.0], [2.0, 2.0])
+    m.get_mtp_metrics(0.5)
+    tracker = MTPLossLoggingHelper.tracker
+    return [tracker[k].tolist() for k in ("loss_values", "correct_values", "total_values")]
+
+
 SYNC_5 = [[(AUX, 5)]]
 #: mutant -> (situation, what the reference shows, what the mutant shows)
 BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
@@ -453,6 +539,44 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [f"moe/{AUX}_layer_1", f"moe/{AUX}_layer_2"],
     ),
     "mtp_loss_unscaled": (_mtp_loss_scale, [1.0], [4.0]),
+    "round_up_off_by_one": (_round_up, [0, 4, 8, 8, 9], [4, 8, 8, 9, 9]),
+    "broadcast_none_receiver_default_dtype": (
+        _broadcast_receive_none,
+        ("torch.int64", [3], ["all_gather_object", "broadcast"]),
+        ("torch.float32", [3], ["all_gather_object", "broadcast"]),  # a float32 receive buffer
+    ),
+    "broadcast_receiver_fresh_tensor": (
+        _broadcast_into_buffer,
+        (True, ["all_gather_object", "broadcast"]),
+        (False, ["all_gather_object", "broadcast"]),  # the caller's buffer is left alone
+    ),
+    "broadcast_dtype_type_error": (
+        _broadcast_wrong_dtype,
+        ("ValueError", ["all_gather_object"], True),
+        ("TypeError", ["all_gather_object"], True),
+    ),
+    "moe_placeholder_skips_dp_avg": (
+        _placeholder_dp_avg,
+        [{AUX: True, Z: False}],
+        [{AUX: False, Z: False}],  # this rank would skip the DP average of AUX
+    ),
+    "moe_total_loss_overwritten": (
+        _two_steps,
+        (3.0, 1.0, 4.0, [0.0, 0.0]),
+        (3.0, 1.0, 1.0, [0.0, 0.0]),  # the total holds the last step only
+    ),
+    "moe_nan_mean_zeroed": (_nan_mean, (["nan"], ["nan", "nan"]), ([0.0], ["nan", "nan"])),
+    "mtp_reduce_on_logging_rank_only": (
+        _mtp_reduce_ranks,
+        [["reduce"], ["reduce"]],
+        [[], ["reduce"]],  # rank 0 skips the collectives rank 1 enters
+    ),
+    # The helper's clean zeroes the values; not cleaned, they stay for the next step.
+    "mtp_tracker_not_cleaned": (
+        _mtp_after_call,
+        [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+        [[4.0, 2.0], [1.0, 1.0], [2.0, 2.0]],
+    ),
 }
 
 
@@ -483,7 +607,12 @@ def test_mutant_changes_behaviour(
 #: Pairs of mutants whose bug also shows in the other's situation: a stage that recorded
 #: nothing is exactly where both the early return and the short pre-initialisation act.
 OVERLAPS: frozenset[frozenset[str]] = frozenset(
-    {frozenset({"moe_preinit_without_mtp", "moe_empty_stage_returns_early"})}
+    {
+        frozenset({"moe_preinit_without_mtp", "moe_empty_stage_returns_early"}),
+        # Two steps into one total_loss_dict: a tracker that is not cleared and a total that
+        # is overwritten both change what the total holds after the second step.
+        frozenset({"moe_tracker_not_cleared", "moe_total_loss_overwritten"}),
+    }
 )
 
 
