@@ -280,10 +280,3 @@ CATALOGUE: tuple[Property, ...] = (
 
 BY_ID: dict[str, Property] = {prop.id: prop for prop in CATALOGUE}
 PROPERTY_IDS: tuple[str, ...] = tuple(BY_ID)
-
-
-def get_property(property_id: str) -> Property:
-    try:
-        return BY_ID[property_id]
-    except KeyError:
-        raise KeyError(f"unknown property ID {property_id!r}") from None

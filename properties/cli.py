@@ -1,8 +1,9 @@
 """The ``pipemetrics`` command: check, replay, demo, bench, vendor.
 
 Each subcommand lives in its own module; this file only parses arguments and maps outcomes to
-exit codes (0 success, 1 a failing verdict, 2 usage or load errors). SIGTERM is turned into a
-clean shutdown so that every world the command started is ended and removed.
+exit codes (0 success, 1 a failing verdict, 2 usage or load errors). SIGINT and SIGTERM, at any
+moment, stop the command: every world it started is ended and removed (`SignalGuard`), and it
+exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
 from __future__ import annotations
@@ -14,13 +15,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from types import FrameType
+
+from pipemetrics.sim.interrupt import Interrupted, SignalGuard
 
 PARENT_POLL_S = 0.2
-
-
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 def _exit_with_parent() -> None:
@@ -54,11 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     replay.add_argument("--impl", default=None, help="run it against this target instead")
     replay.add_argument("--raw", action="store_true", help="real backend, no interposition")
     replay.add_argument("--json", dest="json_out", default=None, help="write the run as JSON")
+    add_load_timeout(replay)
 
     demo = sub.add_parser(
         "demo", help="4 gloo ranks, first stage without MoE, MTP on the last stage"
     )
     demo.add_argument("--impl", default=None, help="implementation to demonstrate")
+    add_load_timeout(demo)
 
     bench = sub.add_parser(
         "bench", help="throughput, hang-verdict latency and start-up, side by side"
@@ -72,16 +72,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    # Importing megatron.core creates torch.compile's cache under the temp dir unless told
-    # otherwise: keep it a persistent cache instead of litter (before anything imports torch).
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
+def add_load_timeout(parser: argparse.ArgumentParser) -> None:
+    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S
+
+    parser.add_argument(
+        "--load-timeout",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT_S,
+        metavar="S",
+        help="deadline for loading the target in a child process first (default: %(default)g s)",
     )
-    signal.signal(signal.SIGTERM, _terminate)
-    _exit_with_parent()
-    args = _parser().parse_args(argv)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         from pipemetrics.properties.runner import run_check
 
@@ -89,7 +92,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "replay":
         from pipemetrics.sim.replay import replay_main
 
-        return replay_main(args.scenario, impl=args.impl, raw=args.raw, json_out=args.json_out)
+        return replay_main(
+            args.scenario,
+            impl=args.impl,
+            raw=args.raw,
+            json_out=args.json_out,
+            load_timeout_s=args.load_timeout,
+        )
     if args.command == "bench":
         from pipemetrics.sim.bench import run_bench
 
@@ -100,7 +109,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return vendor_main(args.dest)
     from pipemetrics.sim.demo import demo_main
 
-    return demo_main(impl=args.impl)
+    return demo_main(impl=args.impl, load_timeout_s=args.load_timeout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # Importing megatron.core creates torch.compile's cache under the temp dir unless told
+    # otherwise: keep it a persistent cache instead of litter (before anything imports torch).
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
+    )
+    with SignalGuard() as guard:
+        try:
+            _exit_with_parent()
+            args = _parser().parse_args(argv)
+            code = _dispatch(args)
+        except Interrupted:
+            pass  # every world was ended on the way up
+        finally:
+            from pipemetrics.sim.world import stop_forkserver
+
+            stop_forkserver()
+        if guard.received is not None:
+            name = signal.Signals(guard.received).name
+            sys.stderr.write(f"pipemetrics: interrupted by {name}; everything it started ended\n")
+            sys.stderr.flush()
+            return 128 + guard.received
+    return code
 
 
 if __name__ == "__main__":

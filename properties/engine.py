@@ -91,6 +91,8 @@ class RunOptions:
     seed: int | None = None
     database: str | None = None
     report_dir: Path = Path("pipemetrics-report")
+    progress: Callable[[str], None] | None = None
+    """Told (one line) when a property first fails and shrinking begins."""
 
 
 class PropertyFailed(AssertionError):
@@ -157,6 +159,11 @@ def _example_runner(
             raise HarnessFault(f"could not start a world: {exc}") from exc
         problems = prop.judge(scenario, run)
         if problems:
+            if state.failure is None and options.progress is not None:
+                options.progress(
+                    f"failed at example {state.examples}; shrinking "
+                    f"(at most {options.profile.shrink_budget_s:g} s) ..."
+                )
             state.failure = _Failure(
                 scenario, problems, describe_ranks(run), failure_picture(scenario, run)
             )
@@ -193,7 +200,7 @@ def run_property(
     test = given(prop.scenarios(profile, options.semantic))(example)
     test = hypothesis_settings(
         profile,
-        profile.examples_for(prop.id, options.max_examples),
+        profile.examples_for(options.max_examples),
         database=None if options.seed is not None else make_database(options.database),
     )(test)
     if options.seed is not None:

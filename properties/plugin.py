@@ -7,7 +7,8 @@ pytest-xdist (``-n auto``; each worker has its own session-scoped `WorldPool`). 
 ``--pipemetrics-impl``, ``--pipemetrics-profile`` (seed|megatron),
 ``--pipemetrics-hypothesis-profile`` (dev|ci|thorough), ``--pipemetrics-max-examples``,
 ``--pipemetrics-skip FILE`` and ``--pipemetrics-xfail FILE`` (one property ID per line, ``#``
-comments; IDs that no longer exist produce a warning). The plugin is loaded automatically
+comments; IDs that no longer exist produce a warning), ``--pipemetrics-load-timeout S`` (the
+target is imported first in a child process under this deadline). The plugin is loaded automatically
 through the ``pytest11`` entry point; without these options it only adds them and registers the
 ``pipemetrics-*`` Hypothesis profiles, so it changes nothing in other test suites.
 """
@@ -27,8 +28,6 @@ from pipemetrics.properties.profiles import (
 )
 
 register_hypothesis_profiles()
-
-CONFORMANCE_MODULE = "test_conformance.py"
 
 
 class PipemetricsListWarning(UserWarning):
@@ -52,6 +51,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pipemetrics-database", default=None, metavar="DIR",
                     help="Hypothesis example database ('none' disables it)")  # fmt: skip
     group.addoption("--pipemetrics-report-dir", default="pipemetrics-report", metavar="DIR")
+    group.addoption("--pipemetrics-load-timeout", type=float, default=None, metavar="S",
+                    help="deadline for importing the target in a child process first "
+                    "(default: 120 s)")  # fmt: skip
 
 
 def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
@@ -113,11 +115,14 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="session")
-def pipemetrics_provided(pipemetrics_options: Any) -> set[str]:
-    """The seed API functions the target defines (a load error fails every test)."""
-    from pipemetrics.sim.target import load_target, provided_functions
+def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: Any) -> set[str]:
+    """The seed API functions the target defines, found by importing it in a child process
+    under a deadline (a target that does not load, or defines none of them, fails every test)."""
+    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 
-    return set(provided_functions(load_target(pipemetrics_options.target)))
+    timeout = request.config.getoption("--pipemetrics-load-timeout") or DEFAULT_LOAD_TIMEOUT_S
+    target = pipemetrics_options.target
+    return set(require_api(target, probe_target(target, timeout)))
 
 
 @pytest.fixture(scope="session")

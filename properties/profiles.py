@@ -9,7 +9,7 @@ own ``ci`` profile is never overwritten).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, settings
 
@@ -65,17 +65,10 @@ class Profile:
     """Wall-clock cap on shrinking one failure."""
     max_ranks: int = 16
     """Rank processes the world pool keeps alive at once."""
-    example_caps: dict[str, int] = field(default_factory=dict)
-    """Per-property-family cap on examples (prefix of the property ID -> examples)."""
 
-    def examples_for(self, property_id: str, override: int | None) -> int:
-        if override is not None:
-            return override
-        family = property_id.split(".")[0]
-        return min(self.max_examples, self.example_caps.get(family, self.max_examples))
-
-    def max_world_size(self) -> int:
-        return max(shape.world_size for shape in self.shapes)
+    def examples_for(self, override: int | None) -> int:
+        """Examples per property: ``override`` (``--max-examples``) or the profile's count."""
+        return self.max_examples if override is None else override
 
 
 PROFILES: dict[str, Profile] = {

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,11 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.sim.interrupt import signal_name, stop_child
 from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.scenario import DEFAULT_TARGET
-from pipemetrics.sim.target import TargetLoadError, is_path_target, load_target, provided_functions
+from pipemetrics.sim.target import TargetLoadError, is_path_target
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 DEFAULT_DATABASE = os.environ.get(
@@ -121,6 +124,14 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="cap on shrinking one failure (default: from the profile)",
     )
+    parser.add_argument(
+        "--load-timeout",
+        type=float,
+        default=DEFAULT_LOAD_TIMEOUT_S,
+        metavar="S",
+        help="deadline for importing the target, done first in a child process "
+        "(default: %(default)g s)",
+    )
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
@@ -153,10 +164,15 @@ def _run_here(
     with WorldPool(max_ranks=options.profile.max_ranks) as pool:
         for i, prop in enumerate(todo, start=offset + 1):
             _err(f"[{i}/{total}] {prop.id} ...")
-            result = run_property(prop, pool, options, coverage)
+            progress = _progress_for(f"[{i}/{total}] {prop.id}")
+            result = run_property(prop, pool, replace(options, progress=progress), coverage)
             results.append(result)
             _err(_outcome_line(i, total, result))
     return results
+
+
+def _progress_for(head: str) -> Callable[[str], None]:
+    return lambda text: _err(f"{head}: {text}")
 
 
 def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:
@@ -165,7 +181,7 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
         "--impl", args.impl, "--profile", args.profile,
         "--hypothesis-profile", args.hypothesis_profile,
         "--report-dir", args.report_dir, "--database", args.database,
-        "--worker-json", out, "--only", *ids,
+        "--load-timeout", str(args.load_timeout), "--worker-json", out, "--only", *ids,
     ]  # fmt: skip
     if args.max_examples is not None:
         command += ["--max-examples", str(args.max_examples)]
@@ -179,31 +195,47 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
 def _run_workers(
     args: argparse.Namespace, todo: list[Property], coverage: Coverage
 ) -> list[PropertyResult]:
-    """Split ``todo`` round-robin over worker processes and merge their results."""
+    """Split ``todo`` round-robin over worker processes and merge their results.
+
+    Workers are always stopped (SIGTERM, so that each ends its own worlds, then SIGKILL) when
+    this returns or is interrupted; a worker that ends without results turns its properties
+    into errors (its exit code is never passed on).
+    """
     workers = max(1, min(args.workers, len(todo)))
-    shares = [[p.id for p in todo[i::workers]] for i in range(workers)]
+    shares = [todo[i::workers] for i in range(workers)]
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
-        procs = []
+        procs: list[subprocess.Popen[bytes]] = []
+        outs = [os.path.join(tmp, f"worker{i}.json") for i in range(workers)]
         try:
-            for i, ids in enumerate(shares):
-                out = os.path.join(tmp, f"worker{i}.json")
-                procs.append((subprocess.Popen(_worker_command(args, ids, out)), out))
-            for proc, _ in procs:
+            for share, out in zip(shares, outs, strict=True):
+                ids = [p.id for p in share]
+                procs.append(subprocess.Popen(_worker_command(args, ids, out)))
+            for proc in procs:
                 proc.wait()
         finally:
-            for proc, _ in procs:
+            for proc in procs:
                 if proc.poll() is None:
-                    proc.terminate()
-                    proc.wait(10)
+                    proc.terminate()  # all at once; stop_child then waits and kills
+            for proc in procs:
+                stop_child(proc)
         by_id: dict[str, PropertyResult] = {}
-        for proc, out in procs:
-            if not os.path.exists(out):
-                raise RuntimeError(f"a worker exited with code {proc.returncode} without results")
-            data = json.loads(Path(out).read_text(encoding="utf-8"))
-            coverage.merge(data["coverage"])
-            for item in data["results"]:
-                by_id[item["id"]] = PropertyResult(**item)
+        for proc, out, share in zip(procs, outs, shares, strict=True):
+            for result in _worker_results(proc.returncode, out, share, coverage):
+                by_id[result.id] = result
     return [by_id[p.id] for p in todo if p.id in by_id]
+
+
+def _worker_results(
+    code: int, out: str, share: list[Property], coverage: Coverage
+) -> list[PropertyResult]:
+    try:
+        data = json.loads(Path(out).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        how = f"killed by signal {signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        message = f"pipemetrics fault: the worker running it {how} without results"
+        return [_not_run(prop, "error", message) for prop in share]
+    coverage.merge(data["coverage"])
+    return [PropertyResult(**item) for item in data["results"]]
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -221,7 +253,7 @@ def run_check(args: argparse.Namespace) -> int:
     target = _resolve_target(args.impl)
     args.impl = target
     try:
-        provided = set(provided_functions(load_target(target)))
+        provided = set(require_api(target, probe_target(target, args.load_timeout)))
     except TargetLoadError as exc:
         _err(f"pipemetrics check: {exc}")
         return EXIT_USAGE
@@ -286,10 +318,14 @@ def _finish(
         f"({args.profile} profile, {seconds:.0f} s)\n"
     )
     out.flush()
-    if args.json_out:
-        write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
-    if args.junit:
-        write_junit(args.junit, args.impl, results)
-    if args.markdown:
-        write_markdown(args.markdown, args.impl, args.profile, results)
+    try:
+        if args.json_out:
+            write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
+        if args.junit:
+            write_junit(args.junit, args.impl, results)
+        if args.markdown:
+            write_markdown(args.markdown, args.impl, args.profile, results)
+    except OSError as exc:  # exit codes stay 0, 1, 2: an unwritable report is a usage error
+        _err(f"pipemetrics check: cannot write the report: {exc}")
+        return EXIT_USAGE
     return EXIT_OK if ok else EXIT_FAIL

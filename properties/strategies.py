@@ -1,6 +1,6 @@
 """Hypothesis strategies for the conformance suite, composed from small named pieces.
 
-Pieces: `worlds` / `world_shapes`, `splits`, `moe_patterns`, `routing_configs`, `layouts`,
+Pieces: `world_shapes`, `splits`, `moe_patterns`, `routing_configs`, `layouts`,
 `setups`, `loss_scales`, `synthetic_records` (re-exported from `pipemetrics.properties.synthetic`),
 and the broadcast pieces `dtypes`, `tensor_shapes`, `valid_buffer`, `invalid_buffer`.
 Scenario strategies (one per property family) put them together: `moe_scenarios`,
@@ -61,27 +61,11 @@ __all__ = [
     "track_names_scenarios",
     "valid_buffer",
     "world_shapes",
-    "worlds",
 ]
 
 Semantic = Literal["seed", "megatron", "strict"]
 
 # -- worlds ------------------------------------------------------------------------------------
-
-
-@st.composite
-def worlds(draw: st.DrawFn, max_size: int = 8) -> WorldSpec:
-    """Any (tp, pp, cp, dp, ep) with ``world_size <= max_size`` and ep dividing dp * cp."""
-    sizes = {"tp": 1, "pp": 1, "cp": 1, "dp": 1}
-    left = max_size
-    for axis in draw(st.permutations(list(sizes))):
-        sizes[axis] = draw(st.integers(1, max(1, left)))
-        left //= sizes[axis]
-    divisors = [
-        e for e in range(1, sizes["dp"] * sizes["cp"] + 1) if sizes["dp"] * sizes["cp"] % e == 0
-    ]
-    ep = draw(st.sampled_from(divisors))
-    return WorldSpec(ep=ep, **sizes)
 
 
 def world_shapes(profile: Profile, *, min_size: int = 1) -> st.SearchStrategy[WorldSpec]:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from pipemetrics.sim.calls import MoeCall
+from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
@@ -373,21 +374,20 @@ def measure_check(plan: Plan, results: Results) -> bool:
         ]  # fmt: skip
         _err("running: " + " ".join(command[1:]))
         began = time.perf_counter()
+        proc = subprocess.Popen(
+            command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
-            done = subprocess.run(
-                command,
-                cwd=directory,
-                capture_output=True,
-                text=True,
-                timeout=plan.check_timeout_s,
-                check=False,
-            )
+            stdout, stderr = proc.communicate(timeout=plan.check_timeout_s)
         except subprocess.TimeoutExpired:
             results.notes.append(
                 f"check_ci_profile_s: pipemetrics check did not finish within "
                 f"{plan.check_timeout_s:g} s; recorded null"
             )
             return False
+        finally:
+            stop_child(proc)  # SIGTERM first: the check ends its own worlds (also on Ctrl-C)
+        done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
         elapsed = time.perf_counter() - began
     if done.returncode != 0:
         tail = (done.stderr or done.stdout or "").strip().splitlines()[-6:]

@@ -8,10 +8,14 @@ way a trainer does after a step.
 
 from __future__ import annotations
 
+import sys
+
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.scenario import DEFAULT_TARGET, Scenario, Step
 from pipemetrics.sim.summary import summarize
+from pipemetrics.sim.target import TargetLoadError
 from pipemetrics.sim.world import World
 
 
@@ -40,9 +44,21 @@ def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
     return Scenario(setup=setup, mode="router", seed=7, target=target, steps=[Step(calls=calls)])
 
 
-def demo_main(impl: str | None = None) -> int:
+def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> int:
+    """Exit 0 when every rank got what the oracle says, 1 otherwise, 2 when ``impl`` (loaded
+    first in a child process, under ``load_timeout_s``) cannot be loaded or defines no API
+    function."""
+    if impl is not None:
+        try:
+            require_api(impl, probe_target(impl, load_timeout_s))
+        except TargetLoadError as exc:
+            print(f"pipemetrics demo: {exc}", file=sys.stderr)
+            return 2
     scenario = demo_scenario(impl or DEFAULT_TARGET)
-    print("pipemetrics demo: 4 gloo ranks, pp=2 x dp=2; stage 0 dense only, stage 1 MoE + MTP")
+    print(
+        "pipemetrics demo: 4 gloo ranks, pp=2 x dp=2; stage 0 dense only, stage 1 MoE + MTP",
+        flush=True,
+    )
     with World(scenario.setup.world) as world:
         print(f"world started in {world.startup_s:.2f} s")
         run = world.run(scenario)

@@ -102,7 +102,15 @@ class ModelLayout(Frozen):
     num_experts: Annotated[int, Field(ge=2)] = 4
     topk: PositiveInt = 2
     microbatches: PositiveInt = 1
-    steps: PositiveInt = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ignore_legacy_steps(cls, data: object) -> object:
+        """Scenario files written by earlier versions carry an unused ``steps`` here: still
+        replayable, the key is dropped."""
+        if isinstance(data, dict) and "steps" in data:
+            return {key: value for key, value in data.items() if key != "steps"}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelLayout:

@@ -71,8 +71,13 @@ class WorldPool:
         return [pid for world in self._worlds.values() for pid in world.pids]
 
     def close(self) -> None:
-        for key in list(self._worlds):
-            self._drop(key, retired=False)
+        """End every world; an interruption while doing so still kills the rest."""
+        try:
+            for key in list(self._worlds):
+                self._drop(key, retired=False)
+        finally:
+            for key in list(self._worlds):
+                self._drop(key)
 
     def _drop(self, key: str, *, retired: bool = True) -> None:
         world = self._worlds.pop(key, None)

@@ -370,7 +370,10 @@ def rank_main(
     began = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(controller_pid, leftovers)
-    stacks = _redirect_output(directory, rank)
+    try:
+        stacks = _redirect_output(directory, rank)
+    except OSError:  # the controller gave up on this world while it was starting
+        os._exit(1)
     torch.set_num_threads(1)
     spec = WorldSpec.model_validate_json(spec_json)
     code = 0

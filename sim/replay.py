@@ -11,13 +11,23 @@ import json
 import sys
 from pathlib import Path
 
+from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.summary import summarize
+from pipemetrics.sim.target import TargetLoadError
 from pipemetrics.sim.world import World, WorldStartError
 
 
-def replay_main(path: str, *, impl: str | None, raw: bool, json_out: str | None) -> int:
-    """Exit 0 when the run passes, 1 when it fails, 2 when the file, world or judge is unusable."""
+def replay_main(
+    path: str,
+    *,
+    impl: str | None,
+    raw: bool,
+    json_out: str | None,
+    load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
+) -> int:
+    """Exit 0 when the run passes, 1 when it fails, 2 when the file, the ``impl`` target (loaded
+    first in a child process, under ``load_timeout_s``), the world or the judge is unusable."""
     from pipemetrics.properties.runview import HarnessFault
     from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
 
@@ -27,6 +37,11 @@ def replay_main(path: str, *, impl: str | None, raw: bool, json_out: str | None)
         print(f"pipemetrics replay: {exc}", file=sys.stderr)
         return 2
     if impl is not None:
+        try:
+            probe_target(impl, load_timeout_s)
+        except TargetLoadError as exc:
+            print(f"pipemetrics replay: {exc}", file=sys.stderr)
+            return 2
         scenario = scenario.model_copy(update={"target": impl})
     try:
         with World(scenario.setup.world) as world:

@@ -94,6 +94,22 @@ def _forkserver_directory() -> list[str]:
     return []
 
 
+def stop_forkserver() -> None:
+    """Kill this process's fork server, if one was started, and reap it.
+
+    For a command that is ending: left alone, a fork server interrupted while it preloads
+    torch and megatron-core finishes that (seconds) before it notices its parent is gone.
+    Worlds already started are not affected (their ranks are not its children).
+    """
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    if not isinstance(pid, int):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+
+
 class _RankPopen(popen_forkserver.Popen):
     """Starts a rank without re-importing the caller's ``__main__`` in it.
 
@@ -257,24 +273,36 @@ class World:
                     waiting.pop(rank, None)
 
     def close(self) -> None:
-        """Ask every rank to exit, kill what does not, and remove the world's directory."""
+        """Ask every rank to exit, kill what does not, and remove the world's directory.
+
+        An interruption (SIGINT, SIGTERM) while asking still kills and removes everything; one
+        that cuts the killing short leaves it to the finalizer, which runs at exit.
+        """
         if self._closed:
             return
         self._closed = True
+        try:
+            self._ask_to_exit()
+        finally:
+            self._kill_the_rest()
+
+    def _ask_to_exit(self) -> None:
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(Shutdown())
         deadline = time.monotonic() + 2.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
+
+    def _kill_the_rest(self) -> None:
         for proc in self._procs:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
         for conn in self._conns:
             conn.close()
-        self._finalizer.detach()
         shutil.rmtree(self.directory, ignore_errors=True)
+        self._finalizer.detach()
 
     def kill(self) -> None:
         """Kill every rank at once (a suspect world is never reused)."""

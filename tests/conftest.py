@@ -1,21 +1,31 @@
-"""Shared fixtures: one pool of live worlds per test module, and leak checks.
+"""Shared fixtures: one pool of live worlds per test module, leak checks, and time bounds.
 
 Every world a test starts is ended by the pool's ``close``; the fixture then asserts that none
 of its rank processes survives and that no world directory is left behind.
+
+Time bounds on subprocesses are never guessed constants: `bounds` derives them from one cold
+start measured in this session (a fresh interpreter starting a world: the fork server imports
+torch and megatron-core, as the first world of every ``pipemetrics`` process does), so a test
+stays honest on a quiet machine and does not fail on a busy one.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import queue
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -135,11 +145,96 @@ def fresh_trackers() -> Iterator[None]:
     reset_trackers()
 
 
+COLD_START_CAP_S = 900.0
+"""Hard cap on the measurement itself: a machine this slow cannot run the suite."""
+
+COLD_START = """
+import time
+began = time.monotonic()
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.world import World
+with World(WorldSpec(pp=2)):
+    pass
+print(time.monotonic() - began)
+"""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Wall-clock bounds as multiples of a measured cold start, never below a floor."""
+
+    cold_start_s: float
+
+    def __call__(self, cold_starts: float, floor: float) -> float:
+        return max(floor, cold_starts * self.cold_start_s)
+
+
+@pytest.fixture(scope="session")
+def bounds() -> Bounds:
+    """`Bounds` from one cold start of a subprocess starting a world, measured now."""
+    with private_tmpdir() as tmp:
+        began = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", COLD_START],
+            env={**os.environ, "TMPDIR": str(tmp)},
+            capture_output=True,
+            text=True,
+            timeout=COLD_START_CAP_S,
+        )
+        elapsed = time.monotonic() - began
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert_no_leftovers(tmp)
+    return Bounds(cold_start_s=elapsed)
+
+
+class Lines:
+    """The lines of a subprocess's text pipe, read by a thread, so a test can wait for a phase
+    marker under a deadline (and show everything seen when it does not come)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.seen: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, marker: str, timeout: float) -> bool:
+        """True once a line containing ``marker`` arrived; False at ``timeout`` or EOF."""
+        if any(marker in line for line in self.seen):
+            return True
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                return False
+            if line is None:
+                self._queue.put(None)
+                return False
+            self.seen.append(line)
+            if marker in line:
+                return True
+        return False
+
+    def text(self, timeout: float = 10.0) -> str:
+        """Everything read so far, after waiting (up to ``timeout``) for the end of the pipe."""
+        self.wait_for("\0never\0", timeout)
+        return "".join(self.seen)
+
+
 def run_bounded(
-    command: list[str], *, cwd: Path, timeout: float, env: dict[str, str] | None = None
+    command: list[str],
+    *,
+    cwd: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    grace: float = 30.0,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command`` in its own session; past ``timeout`` SIGTERM it (the CLI then ends its
-    worlds), SIGKILL the whole group 30 s later, and fail the test."""
+    worlds), SIGKILL the whole group ``grace`` s later, and fail the test."""
     proc = subprocess.Popen(
         command,
         cwd=cwd,
@@ -154,7 +249,7 @@ def run_bounded(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate(timeout=grace)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()

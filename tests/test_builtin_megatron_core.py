@@ -36,7 +36,7 @@ from pipemetrics.sim.target import (
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
-from .conftest import TrackingPool, assert_no_leftovers, private_tmpdir, run_bounded
+from .conftest import Bounds, TrackingPool, assert_no_leftovers, private_tmpdir, run_bounded
 
 DEADLINE_S = 60.0
 FINDINGS = Path(__file__).resolve().parent / "megatron_core_findings"
@@ -251,7 +251,7 @@ def test_mtp_equals_the_oracle_and_hand_numbers(pool: TrackingPool) -> None:
 # -- the command line ----------------------------------------------------------------------------
 
 
-def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path) -> None:
+def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path, bounds: Bounds) -> None:
     """``check --impl megatron-core`` and ``replay`` of a finding, in bounded subprocesses."""
     cli = [sys.executable, "-m", "pipemetrics.properties.cli"]
     finding = str(FINDINGS / "global_aux_loss_dense_stage.json")
@@ -263,7 +263,7 @@ def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path) -> None:
             "--report-dir", str(tmp_path / "report"),
             "--only", "moe.names", "round_up.least_multiple",
         ]  # fmt: skip
-        proc = run_bounded(check, cwd=tmp_path, timeout=300, env=env)
+        proc = run_bounded(check, cwd=tmp_path, timeout=bounds(30, 300), env=env)
         assert proc.returncode == 0, proc.stdout[-4000:]
         data = json.loads(report.read_text(encoding="utf-8"))
         assert data["target"] == TARGET
@@ -271,11 +271,13 @@ def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path) -> None:
             "round_up.least_multiple": "absent",
             "moe.names": "pass",
         }
-        proc = run_bounded([*cli, "replay", finding], cwd=tmp_path, timeout=200, env=env)
+        proc = run_bounded(
+            [*cli, "replay", finding], cwd=tmp_path, timeout=bounds(20, 200), env=env
+        )
         assert proc.returncode == 1, proc.stdout[-4000:]
         assert "target megatron-core" in proc.stdout
         assert "rank 2: 'global_load_balancing_loss': expected 0.5, got 0.25" in proc.stdout
-        assert_no_leftovers(tmp)
+        assert_no_leftovers(tmp, bounds(1, 10))
 
 
 @pytest.mark.parametrize("semantic", ["seed", "megatron"])

@@ -16,15 +16,14 @@ from pathlib import Path
 
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
-from .conftest import assert_no_leftovers, private_tmpdir, run_bounded
+from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "ci" / "example-adopter"
 ACTION = REPO / "ci" / "action" / "action.yml"
-TIMEOUT_S = 600.0
 
 
-def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+def _run_script(out: Path, tmp: Path, timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(
         os.environ,
         PIPEMETRICS=str(Path(sys.executable).parent / "pipemetrics"),
@@ -33,16 +32,14 @@ def _run_script(out: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
         HYPOTHESIS_STORAGE_DIRECTORY=str(tmp / ".hypothesis"),  # not in the checkout
         TMPDIR=str(tmp),
     )
-    return run_bounded(
-        ["bash", str(EXAMPLE / "run-locally.sh")], cwd=tmp, env=env, timeout=TIMEOUT_S
-    )
+    return run_bounded(["bash", str(EXAMPLE / "run-locally.sh")], cwd=tmp, env=env, timeout=timeout)
 
 
-def test_run_locally_catches_the_planted_bug(tmp_path: Path) -> None:
+def test_run_locally_catches_the_planted_bug(tmp_path: Path, bounds: Bounds) -> None:
     out = tmp_path / "out"
     with private_tmpdir() as tmp:
-        proc = _run_script(out, tmp)
-        assert_no_leftovers(tmp)
+        proc = _run_script(out, tmp, bounds(60, 600))
+        assert_no_leftovers(tmp, bounds(1, 10))
     output = proc.stdout
 
     assert proc.returncode == 1, output[-4000:]
@@ -86,7 +83,7 @@ def test_script_runs_what_the_workflow_runs() -> None:
     assert (EXAMPLE / impl[1]).is_file()
     command = (
         'check --impl "$IMPL" --profile "$PROFILE" --json pipemetrics.json '
-        '--junit pipemetrics.xml --report-dir pipemetrics-report "${markdown[@]}" $ARGS'
+        "--junit pipemetrics.xml --report-dir pipemetrics-report --markdown pipemetrics-summary.md $ARGS"
     )
     assert f"pipemetrics {command}" in _normalised(action)
     assert f'"$pipemetrics" {command}' in re.sub(r'"\$out/([^"]+)"', r"\1", _normalised(script))

@@ -16,18 +16,20 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
+from pipemetrics.sim.target import API_FUNCTIONS
 
-from .conftest import TrackingPool, pid_alive
+from .broken.mutants import write_mutant
+from .conftest import Bounds, Lines, TrackingPool, assert_no_leftovers, pid_alive, run_bounded
 from .test_sim_world import MOE, RECORDS, scenario_for, write_target
 
 CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
-BOUND_S = 120
 
 
 def descendants(root: int) -> set[int]:
@@ -72,8 +74,8 @@ def wait_for(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     return condition()
 
 
-def assert_clean(pids: set[int], tmp: Path, shm_before: set[str]) -> None:
-    assert wait_for(lambda: not any(pid_alive(p) for p in pids), 15), [
+def assert_clean(pids: set[int], tmp: Path, shm_before: set[str], grace: float = 15.0) -> None:
+    assert wait_for(lambda: not any(pid_alive(p) for p in pids), grace), [
         p for p in pids if pid_alive(p)
     ]
     leftovers = sorted(p.name for p in tmp.iterdir())
@@ -87,39 +89,137 @@ def long_check(report_dir: Path) -> list[str]:
             "--database", "none", "--report-dir", str(report_dir)]  # fmt: skip
 
 
-def start_check(tmp: Path, private: Path, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*long_check(tmp / "report"), *extra],
+def ranks_started(proc: subprocess.Popen[str]) -> bool:
+    return len(descendants(proc.pid)) >= 3  # fork server + at least two ranks
+
+
+def forkserver_started(proc: subprocess.Popen[str]) -> bool:
+    return len(descendants(proc.pid)) >= 1
+
+
+def interrupt(
+    command: list[str],
+    private: Path,
+    bounds: Bounds,
+    how: signal.Signals,
+    *,
+    marker: str | None = None,
+    ready: Callable[[subprocess.Popen[str]], bool] | None = None,
+) -> str:
+    """Start ``command``, wait for ``marker`` in its output (or for ``ready``), send ``how``,
+    and check that it exits with 128 + ``how`` leaving nothing behind; returns its output."""
+    shm_before = shm_segments()
+    proc = subprocess.Popen(
+        command,
         env=private_env(private),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-
-
-def ranks_started(proc: subprocess.Popen[str]) -> bool:
-    return len(descendants(proc.pid)) >= 3  # fork server + at least two ranks
-
-
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_the_runner_mid_run(tmp_path: Path, short_tmp: Path, how: signal.Signals) -> None:
-    shm_before = shm_segments()
-    proc = start_check(tmp_path, short_tmp)
+    assert proc.stdout is not None
+    lines = Lines(proc.stdout)
     try:
-        assert wait_for(lambda: ranks_started(proc), BOUND_S), "no world was started"
-        time.sleep(1.0)
+        if marker is not None:
+            assert lines.wait_for(marker, bounds(12, 120)), f"no {marker!r}:\n{lines.text(0)}"
+        if ready is not None:
+            assert wait_for(lambda: ready(proc), bounds(12, 120)), lines.text(0)
         pids = descendants(proc.pid)
         proc.send_signal(how)
-        proc.wait(timeout=60)
-        assert proc.returncode != 0
-        assert_clean(pids, short_tmp, shm_before)
+        proc.wait(timeout=bounds(3, 60))
+        output = lines.text()
+        assert proc.returncode == 128 + how, output[-4000:]
+        assert f"interrupted by {how.name}" in output, output[-4000:]
+        assert_clean(pids, private, shm_before, bounds(1, 15))
+        assert_no_leftovers(private, bounds(1, 10))
+        return output
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
 
 
-def test_the_runners_parent_dying(tmp_path: Path, short_tmp: Path) -> None:
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_runner_mid_run(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, how: signal.Signals
+) -> None:
+    """During an example: the world is up and the property runs examples."""
+    interrupt(long_check(tmp_path / "report"), short_tmp, bounds, how, ready=ranks_started)
+
+
+def test_sigint_that_the_runner_inherited_as_ignored_still_stops_it(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds
+) -> None:
+    """A background job of a non-interactive shell (some CI runners too) starts with SIGINT
+    ignored; Python keeps it so, and the run used to carry on to CONFORMANT and exit 0."""
+    command = [
+        "bash", "-c", 'trap "" INT; exec "$@"', "bash", *long_check(tmp_path / "report")
+    ]  # fmt: skip
+    interrupt(command, short_tmp, bounds, signal.SIGINT, ready=ranks_started)
+
+
+def test_signal_during_world_start(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
+    """The marker is printed right before the first example, which starts the first world."""
+    output = interrupt(
+        long_check(tmp_path / "report"), short_tmp, bounds, signal.SIGINT,
+        marker="[1/1] moe.values ...",
+    )  # fmt: skip
+    assert "moe.values: pass" not in output
+
+
+def test_signal_during_shrinking(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
+    mutant = write_mutant("mtp_zero_based_keys", tmp_path / "mutants")
+    command = [
+        *CLI, "check", "--impl", str(mutant), "--only", "mtp.keys", "--max-examples", "200",
+        "--database", "none", "--report-dir", str(tmp_path / "report"),
+    ]  # fmt: skip
+    output = interrupt(command, short_tmp, bounds, signal.SIGINT, marker="shrinking (at most")
+    assert "mtp.keys: fail," not in output, output[-3000:]  # it landed before shrinking ended
+
+
+def test_signal_during_report_writing(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
+    """``--json`` is a FIFO nobody reads: writing the report blocks until the signal."""
+    fifo = tmp_path / "report.json"
+    os.mkfifo(fifo)
+    command = [
+        *CLI, "check", "--only", "round_up.least_multiple", "--max-examples", "5",
+        "--database", "none", "--json", str(fifo), "--report-dir", str(tmp_path / "report"),
+    ]  # fmt: skip
+    interrupt(command, short_tmp, bounds, signal.SIGTERM, marker="CONFORMANT (")
+
+
+def test_signal_to_a_runner_with_workers(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
+    """Only the parent gets the signal; it stops its workers, which end their own worlds."""
+    command = [
+        *CLI, "check", "-n", "2", "--only", "moe.values", "moe.rank_agreement",
+        "--max-examples", "200", "--database", "none", "--report-dir", str(tmp_path / "report"),
+    ]  # fmt: skip
+    interrupt(
+        command, short_tmp, bounds, signal.SIGINT, ready=lambda p: len(descendants(p.pid)) >= 6
+    )
+
+
+def test_signal_to_demo_during_its_cold_world_start(short_tmp: Path, bounds: Bounds) -> None:
+    """demo starts its only world right after its first line, paying the fork server's import
+    of torch and megatron-core: seconds in which the signal lands."""
+    output = interrupt(
+        [*CLI, "demo"], short_tmp, bounds, signal.SIGTERM, marker="pipemetrics demo: 4 gloo"
+    )
+    assert "world started in" not in output
+
+
+def test_signal_to_replay(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
+    scenario = save_scenario(scenario_for("pipemetrics.reference"), tmp_path / "s.json")
+    interrupt([*CLI, "replay", str(scenario)], short_tmp, bounds, signal.SIGINT,
+              ready=forkserver_started)  # fmt: skip
+
+
+def test_signal_to_bench(short_tmp: Path, bounds: Bounds) -> None:
+    output = interrupt([*CLI, "bench", "--quick"], short_tmp, bounds, signal.SIGTERM,
+                       ready=forkserver_started)  # fmt: skip
+    assert "fork server up" not in output  # it landed while the first world started
+
+
+def test_the_runners_parent_dying(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
     shm_before = shm_segments()
     tmp = short_tmp
     launcher = subprocess.Popen(
@@ -142,20 +242,28 @@ def test_the_runners_parent_dying(tmp_path: Path, short_tmp: Path) -> None:
     )
     try:
         assert launcher.stdout is not None
-        runner = int(launcher.stdout.readline())
-        assert wait_for(lambda: len(descendants(runner)) >= 3, BOUND_S), "no world was started"
+        lines = Lines(launcher.stdout)
+        assert lines.wait_for("\n", bounds(3, 30)), "the launcher did not start the runner"
+        runner = int(lines.seen[0])
+        assert wait_for(lambda: len(descendants(runner)) >= 3, bounds(12, 120)), (
+            "no world was started"
+        )
         pids = descendants(runner) | {runner}
         launcher.kill()
         launcher.wait()
-        assert wait_for(lambda: not pid_alive(runner), 30), "the runner outlived its parent"
-        assert_clean(pids, tmp, shm_before)
+        assert wait_for(lambda: not pid_alive(runner), bounds(3, 30)), (
+            "the runner outlived its parent"
+        )
+        assert_clean(pids, tmp, shm_before, bounds(1, 15))
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
 
 
-def test_two_runners_at_once_do_not_collide(tmp_path: Path, short_tmp: Path) -> None:
+def test_two_runners_at_once_do_not_collide(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds
+) -> None:
     shared_tmp = short_tmp
     procs = [
         subprocess.Popen(
@@ -181,7 +289,13 @@ def test_two_runners_at_once_do_not_collide(tmp_path: Path, short_tmp: Path) -> 
         )
         for i in range(2)
     ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=bounds(60, 600))[0] for p in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for proc, output in zip(procs, outputs, strict=True):
         assert proc.returncode == 0, output[-3000:]
     for i in range(2):
@@ -198,7 +312,7 @@ def test_two_runners_at_once_do_not_collide(tmp_path: Path, short_tmp: Path) -> 
     ],
 )
 def test_broken_target_is_a_clear_usage_error(
-    tmp_path: Path, short_tmp: Path, body: str, expected: str
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, body: str, expected: str
 ) -> None:
     target = tmp_path / "target.py"
     target.write_text(body)
@@ -206,7 +320,7 @@ def test_broken_target_is_a_clear_usage_error(
         [*CLI, "check", "--impl", str(target), "--max-examples", "2"],
         capture_output=True,
         text=True,
-        timeout=BOUND_S,
+        timeout=bounds(12, 120),
         env=private_env(short_tmp),
     )
     assert result.returncode == 2, result.stdout + result.stderr
@@ -214,7 +328,73 @@ def test_broken_target_is_a_clear_usage_error(
     assert "Traceback" not in result.stderr
 
 
-def test_missing_functions_are_absent_not_failures(tmp_path: Path, short_tmp: Path) -> None:
+IMPORT_FAULTS = {
+    "hangs": (
+        "import subprocess, time\nsubprocess.Popen(['sleep', '3600'])\ntime.sleep(3600)\n",
+        "timed out after 5 s",
+    ),
+    "exits": ("import os\nos._exit(3)\n", "exited with code 3"),
+    "segfaults": ("import ctypes\nctypes.string_at(0)\n", "killed by signal SIGSEGV"),
+    "kills_itself": (
+        "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n",
+        "killed by signal SIGKILL",
+    ),
+    "raises": ("raise ValueError('no config here')\n", "ValueError: no config here"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(IMPORT_FAULTS))
+def test_a_target_misbehaving_at_import_is_a_usage_error_within_the_deadline(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, fault: str
+) -> None:
+    body, expected = IMPORT_FAULTS[fault]
+    target = tmp_path / f"{fault}.py"
+    target.write_text(body)
+    # a hang past the 5 s deadline would run into this bound (the hanging target never returns)
+    result = run_bounded(
+        [*CLI, "check", "--impl", str(target), "--load-timeout", "5"],
+        cwd=tmp_path, timeout=bounds(6, 120), env=private_env(short_tmp),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout
+    assert expected in result.stdout and str(target) in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout
+    assert_no_leftovers(short_tmp, bounds(1, 10))  # the target's own child included
+
+
+@pytest.mark.parametrize("command", ["replay", "demo"])
+def test_replay_and_demo_with_an_unloadable_target(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, command: str
+) -> None:
+    target = tmp_path / "exits.py"
+    target.write_text("import os\nos._exit(3)\n")
+    scenario = save_scenario(scenario_for("pipemetrics.reference"), tmp_path / "s.json")
+    args = [str(scenario)] if command == "replay" else []
+    result = run_bounded(
+        [*CLI, command, *args, "--impl", str(target)],
+        cwd=tmp_path, timeout=bounds(6, 120), env=private_env(short_tmp),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout
+    assert f"cannot load target '{target}': exited with code 3" in result.stdout, result.stdout
+    assert_no_leftovers(short_tmp, bounds(1, 10))
+
+
+def test_a_target_without_any_api_function_is_a_usage_error(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds
+) -> None:
+    """A mistyped --impl that lands on another module must not pass as CONFORMANT."""
+    result = run_bounded(
+        [*CLI, "check", "--impl", "json", "--max-examples", "2"],
+        cwd=tmp_path, timeout=bounds(6, 120), env=private_env(short_tmp),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout
+    assert "no function of the API found in json" in result.stdout, result.stdout
+    assert all(name in result.stdout for name in API_FUNCTIONS), result.stdout
+    assert "CONFORMANT" not in result.stdout
+
+
+def test_missing_functions_are_absent_not_failures(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds
+) -> None:
     target = tmp_path / "partial.py"
     target.write_text(
         "def _round_up_to_multiple(value, multiple):\n    return -(-value // multiple) * multiple\n"
@@ -224,7 +404,7 @@ def test_missing_functions_are_absent_not_failures(tmp_path: Path, short_tmp: Pa
         [*CLI, "check", "--impl", str(target), "--max-examples", "5", "--json", str(report)],
         capture_output=True,
         text=True,
-        timeout=BOUND_S,
+        timeout=bounds(12, 120),
         env=private_env(short_tmp),
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -261,7 +441,7 @@ def test_kill9_of_a_random_rank_at_a_random_collective(
     assert not run.reusable or run.verdict.kind == "deadlock"
 
 
-def test_truncated_and_schema_violating_scenarios(tmp_path: Path) -> None:
+def test_truncated_and_schema_violating_scenarios(tmp_path: Path, bounds: Bounds) -> None:
     good = save_scenario(scenario_for("pipemetrics.reference"), tmp_path / "good.json")
     text = good.read_text()
     cases = {
@@ -276,7 +456,7 @@ def test_truncated_and_schema_violating_scenarios(tmp_path: Path) -> None:
         path = tmp_path / name
         path.write_text(content)
         result = subprocess.run(
-            [*CLI, "replay", str(path)], capture_output=True, text=True, timeout=BOUND_S
+            [*CLI, "replay", str(path)], capture_output=True, text=True, timeout=bounds(12, 120)
         )
         assert result.returncode == 2, (name, result.stdout, result.stderr)
         assert "not a valid pipemetrics scenario" in result.stderr, (name, result.stderr)

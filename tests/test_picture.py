@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-from types import ModuleType
 
 from pipemetrics.properties.engine import PropertyResult
 from pipemetrics.properties.report import render_markdown
@@ -18,7 +15,6 @@ from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.topology import places_for
 from pipemetrics.sim.world import RankResult, WorldRun
 
-REPO = Path(__file__).resolve().parents[1]
 SITE = (
     "/venv/lib/python3.12/site-packages/megatron/core/transformer/moe/moe_logging.py:277 "
     "in _sync_metrics"
@@ -187,30 +183,6 @@ def test_markdown_has_table_picture_counterexample_and_replay() -> None:
     counterexample = json.loads(md.split("```json\n")[1].split("\n```")[0])
     assert counterexample["setup"]["world"]["tp"] == 2 and "picture" not in counterexample
     assert "```bash\npipemetrics replay pipemetrics-report/moe.no_hang.json\n```" in md
-
-
-def render_summary_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "render_summary", REPO / "ci" / "action" / "render_summary.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_action_summary_renders_the_picture_from_json() -> None:
-    report = {
-        "target": "my/impl.py",
-        "profile": "seed",
-        "conformant": False,
-        "properties": [failed_result().as_json()],
-    }
-    md = render_summary_module().render(report, "pipemetrics conformance")
-    picture = md.split("```text\n")[1].split("\n```")[0]
-    assert "stage 1 |" in picture and "rank 4  blocked in all_reduce" in picture
-    counterexample = json.loads(md.split("```json\n")[1].split("\n```")[0])
-    assert "picture" not in counterexample and counterexample["setup"]["world"]["dp"] == 2
 
 
 def test_replay_summary_shows_the_picture_after_the_verdict() -> None:

@@ -18,6 +18,7 @@ from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
+from .conftest import Bounds
 from .test_properties_runner import check
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
@@ -45,7 +46,7 @@ MORE_EXAMPLES: dict[str, int] = {
     "name",
     [pytest.param(n, marks=_NO_COUNTS) if n in ACCEPTANCE_MUTANTS else n for n in sorted(MUTANTS)],
 )
-def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
+def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) -> None:
     """The check fails each named property, and replaying each failure file judges the same."""
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
@@ -53,7 +54,7 @@ def test_mutant_fails_its_properties(tmp_path: Path, name: str) -> None:
         tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
         "--hypothesis-profile", "dev",
         "--max-examples", str(MORE_EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
-        "--shrink-seconds", "10", timeout=400,
+        "--shrink-seconds", "10", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     assert code == 1, output

@@ -7,7 +7,6 @@ tests), from a directory outside the repository, like an adopter's CI would.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,23 +14,23 @@ import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
 
-from .conftest import assert_no_leftovers, private_tmpdir
+from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
 
-def run_pytest(tmp_path: Path, *args: str, timeout: float = 300) -> tuple[int, str]:
+def run_pytest(tmp_path: Path, *args: str, bounds: Bounds) -> tuple[int, str]:
     with private_tmpdir() as tmp:
         env = dict(os.environ, TMPDIR=str(tmp))
         env.pop("PYTEST_XDIST_WORKER", None)
         env.pop("PYTEST_ADDOPTS", None)
-        proc = subprocess.run(
+        proc = run_bounded(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+            cwd=tmp_path, env=env, timeout=bounds(30, 300),
         )  # fmt: skip
-        assert_no_leftovers(tmp)
-    return proc.returncode, proc.stdout + proc.stderr
+        assert_no_leftovers(tmp, bounds(1, 10))
+    return proc.returncode, proc.stdout
 
 
-def test_plugin_runs_the_suite_with_lists(tmp_path: Path) -> None:
+def test_plugin_runs_the_suite_with_lists(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "partial.py"
     target.write_text(
         "def _round_up_to_multiple(value, multiple):\n"
@@ -46,7 +45,7 @@ def test_plugin_runs_the_suite_with_lists(tmp_path: Path) -> None:
     code, output = run_pytest(
         tmp_path, "--pyargs", "pipemetrics.properties", f"--pipemetrics-impl={target}",
         f"--pipemetrics-skip={skip}", f"--pipemetrics-xfail={xfail}",
-        "--pipemetrics-max-examples=20", "--pipemetrics-database=none",
+        "--pipemetrics-max-examples=20", "--pipemetrics-database=none", bounds=bounds,
     )  # fmt: skip
     assert code == 0, output
     summary = output.strip().splitlines()[-1]
@@ -55,35 +54,44 @@ def test_plugin_runs_the_suite_with_lists(tmp_path: Path) -> None:
     assert "moe.no_longer_exists" in output  # warning for a stale ID
 
 
-def test_plugin_reports_a_failing_property(tmp_path: Path) -> None:
+def test_plugin_reports_a_failing_property(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "wrong.py"
     target.write_text("def _round_up_to_multiple(value, multiple):\n    return value\n")
     code, output = run_pytest(
         tmp_path, "--pyargs", "pipemetrics.properties", f"--pipemetrics-impl={target}",
         "--pipemetrics-max-examples=20", "--pipemetrics-database=none",
-        "--pipemetrics-report-dir", str(tmp_path / "report"),
+        "--pipemetrics-report-dir", str(tmp_path / "report"), bounds=bounds,
     )  # fmt: skip
     assert code == 1, output
     assert "round_up.least_multiple fail" in output
     assert "pipemetrics replay" in output
 
 
-def test_plugin_under_xdist_on_the_reference(tmp_path: Path) -> None:
+def test_plugin_under_xdist_on_the_reference(tmp_path: Path, bounds: Bounds) -> None:
     pytest.importorskip("xdist")
     code, output = run_pytest(
         tmp_path, "--pyargs", "pipemetrics.properties", "-n", "2",
         "-k", "round_up or track_names or broadcast",
         "--pipemetrics-hypothesis-profile=dev", "--pipemetrics-max-examples=4",
-        "--pipemetrics-database=none",
+        "--pipemetrics-database=none", bounds=bounds,
     )  # fmt: skip
     assert code == 0, output
     assert "5 passed" in output.strip().splitlines()[-1], output
 
 
-def test_plugin_is_harmless_elsewhere(tmp_path: Path) -> None:
+def test_plugin_is_harmless_elsewhere(tmp_path: Path, bounds: Bounds) -> None:
     (tmp_path / "test_other.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
-    code, output = run_pytest(tmp_path, "test_other.py")
+    code, output = run_pytest(tmp_path, "test_other.py", bounds=bounds)
     assert code == 0, output
     assert "1 passed" in output
-    code, output = run_pytest(tmp_path, "--help")
+    code, output = run_pytest(tmp_path, "--help", bounds=bounds)
     assert "--pipemetrics-impl" in output
+
+
+def test_plugin_fails_on_a_target_without_any_api_function(tmp_path: Path, bounds: Bounds) -> None:
+    code, output = run_pytest(
+        tmp_path, "--pyargs", "pipemetrics.properties", "--pipemetrics-impl=json",
+        "-k", "round_up", bounds=bounds,
+    )  # fmt: skip
+    assert code == 1, output
+    assert "no function of the API found in json" in output, output

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .broken.mutants import write_mutant
+from .conftest import Bounds
 from .test_properties_runner import check
 
 
@@ -20,13 +21,13 @@ def picture_checks(text: str) -> None:
     assert "returned" in text, text
 
 
-def test_check_failure_report_shows_the_picture(tmp_path: Path) -> None:
+def test_check_failure_report_shows_the_picture(tmp_path: Path, bounds: Bounds) -> None:
     path = write_mutant("moe_empty_stage_returns_early", tmp_path / "mutants")
     markdown = tmp_path / "summary.md"
     code, data, output = check(
         tmp_path, "--impl", str(path), "--only", "moe.no_hang", "--max-examples", "20",
         "--seed", "0", "--hypothesis-profile", "dev", "--shrink-seconds", "10",
-        "--markdown", str(markdown), timeout=400,
+        "--markdown", str(markdown), bounds=bounds,
     )  # fmt: skip
     assert code == 1, output
     assert data is not None, output

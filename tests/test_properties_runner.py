@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
 from pipemetrics.sim.replay import replay_main
 
-from .conftest import assert_no_leftovers, private_tmpdir
+from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
@@ -35,11 +34,12 @@ CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.valu
 def check(
     tmp_path: Path,
     *args: str,
-    timeout: float = 420,
+    bounds: Bounds,
     cwd: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, Any] | None, str]:
-    """Run ``pipemetrics check`` with a private TMPDIR and report dir; assert no leftovers."""
+    """Run ``pipemetrics check`` with a private TMPDIR and report dir, bounded by 42 measured
+    cold starts (at least 420 s); assert no leftovers."""
     out = tmp_path / "report.json"
     command = [
         sys.executable, "-m", "pipemetrics.properties.cli", "check",
@@ -47,22 +47,20 @@ def check(
     ]  # fmt: skip
     with private_tmpdir() as tmp:
         env = dict(os.environ, **(env or {}), TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")
-        proc = subprocess.run(
-            command, cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout
-        )
-        assert_no_leftovers(tmp)
+        proc = run_bounded(command, cwd=cwd or tmp_path, env=env, timeout=bounds(42, 420))
+        assert_no_leftovers(tmp, bounds(1, 10))
     data = json.loads(out.read_text()) if out.exists() else None
-    return proc.returncode, data, proc.stdout + proc.stderr
+    return proc.returncode, data, proc.stdout
 
 
 def statuses(data: dict[str, Any]) -> dict[str, str]:
     return {p["id"]: p["status"] for p in data["properties"]}
 
 
-def test_json_contract(tmp_path: Path) -> None:
+def test_json_contract(tmp_path: Path, bounds: Bounds) -> None:
     junit = tmp_path / "junit.xml"
     code, data, output = check(
-        tmp_path, "--only", *CHEAP, "--max-examples", "3", "--junit", str(junit)
+        tmp_path, "--only", *CHEAP, "--max-examples", "3", "--junit", str(junit), bounds=bounds
     )
     assert code == 0, output
     suite = ET.parse(junit).getroot()
@@ -85,10 +83,10 @@ def test_json_contract(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("profile", ["seed", "megatron", "strict"])
-def test_reference_passes_everything(tmp_path: Path, profile: str) -> None:
+def test_reference_passes_everything(tmp_path: Path, bounds: Bounds, profile: str) -> None:
     code, data, output = check(
         tmp_path, "--profile", profile, "--hypothesis-profile", "dev", "--max-examples", "4",
-        "--seed", "1",
+        "--seed", "1", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     in_profile = [p.id for p in CATALOGUE if profile in p.profiles]
@@ -97,13 +95,13 @@ def test_reference_passes_everything(tmp_path: Path, profile: str) -> None:
     assert data["profile"] == profile
 
 
-def test_bare_py_file_outside_the_repo(tmp_path: Path) -> None:
+def test_bare_py_file_outside_the_repo(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "vendored" / "megatron_common.py"
     target.parent.mkdir()
     shutil.copy(REFERENCE_FILE, target)
     code, data, output = check(
         tmp_path, "--impl", str(target), "--hypothesis-profile", "dev", "--max-examples", "4",
-        "--only", "moe", "mtp.keys", "broadcast.roundtrip", cwd=target.parent,
+        "--only", "moe", "mtp.keys", "broadcast.roundtrip", cwd=target.parent, bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     assert data["target"] == str(target)
@@ -111,23 +109,23 @@ def test_bare_py_file_outside_the_repo(tmp_path: Path) -> None:
     assert code == 0
 
 
-def test_import_error_is_a_load_error(tmp_path: Path) -> None:
+def test_import_error_is_a_load_error(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "broken_import.py"
     target.write_text("import torch\nimport no_such_module_pipemetrics\n")
-    code, data, output = check(tmp_path, "--impl", str(target))
+    code, data, output = check(tmp_path, "--impl", str(target), bounds=bounds)
     assert code == 2
     assert data is None
     assert "no_such_module_pipemetrics" in output and "cannot load target" in output
 
 
-def test_unknown_module_is_a_load_error(tmp_path: Path) -> None:
-    code, _, output = check(tmp_path, "--impl", "no_such_package_pipemetrics.common")
+def test_unknown_module_is_a_load_error(tmp_path: Path, bounds: Bounds) -> None:
+    code, _, output = check(tmp_path, "--impl", "no_such_package_pipemetrics.common", bounds=bounds)
     assert code == 2
     assert "no_such_package_pipemetrics" in output
 
 
-def test_unknown_only_id_is_a_usage_error(tmp_path: Path) -> None:
-    code, _, output = check(tmp_path, "--only", "moe.does_not_exist")
+def test_unknown_only_id_is_a_usage_error(tmp_path: Path, bounds: Bounds) -> None:
+    code, _, output = check(tmp_path, "--only", "moe.does_not_exist", bounds=bounds)
     assert code == 2
     assert "moe.does_not_exist" in output
 
@@ -141,9 +139,16 @@ def _partial_target(tmp_path: Path) -> Path:
     return target
 
 
-def test_partial_target_reports_absent(tmp_path: Path) -> None:
+def test_partial_target_reports_absent(tmp_path: Path, bounds: Bounds) -> None:
     code, data, output = check(
-        tmp_path, "--impl", str(_partial_target(tmp_path)), "--max-examples", "5", "-n", "2"
+        tmp_path,
+        "--impl",
+        str(_partial_target(tmp_path)),
+        "--max-examples",
+        "5",
+        "-n",
+        "2",
+        bounds=bounds,
     )
     assert code == 0, output
     assert data is not None
@@ -153,13 +158,15 @@ def test_partial_target_reports_absent(tmp_path: Path) -> None:
     assert data["conformant"] is True
 
 
-def test_failure_report_and_replay(tmp_path: Path) -> None:
+def test_failure_report_and_replay(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "wrong_round_up.py"
     target.write_text(
         "def _round_up_to_multiple(value: int, multiple: int) -> int:\n"
         "    return (value // multiple + 1) * multiple\n"
     )
-    code, data, output = check(tmp_path, "--impl", str(target), "--max-examples", "20")
+    code, data, output = check(
+        tmp_path, "--impl", str(target), "--max-examples", "20", bounds=bounds
+    )
     assert code == 1, output
     assert data is not None and data["conformant"] is False
     entry = next(p for p in data["properties"] if p["id"] == "round_up.least_multiple")
@@ -185,13 +192,15 @@ def test_failure_report_and_replay(tmp_path: Path) -> None:
     assert replay_main(str(replay_file), impl=str(fixed), raw=False, json_out=None) == 0
 
 
-def test_only_a_property_of_another_profile_is_a_usage_error(tmp_path: Path) -> None:
-    code, _, output = check(tmp_path, "--only", "broadcast.errors_everywhere")
+def test_only_a_property_of_another_profile_is_a_usage_error(
+    tmp_path: Path, bounds: Bounds
+) -> None:
+    code, _, output = check(tmp_path, "--only", "broadcast.errors_everywhere", bounds=bounds)
     assert code == 2
     assert "not part of the seed profile" in output and "--profile strict" in output
 
 
-def test_skip_and_xfail_lists(tmp_path: Path) -> None:
+def test_skip_and_xfail_lists(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "wrong_round_up.py"
     target.write_text(
         "def _round_up_to_multiple(value: int, multiple: int) -> int:\n"
@@ -200,7 +209,14 @@ def test_skip_and_xfail_lists(tmp_path: Path) -> None:
     xfail = tmp_path / "xfail.txt"
     xfail.write_text("round_up.least_multiple  # known\nmoe.renamed_long_ago\n")
     code, data, output = check(
-        tmp_path, "--impl", str(target), "--xfail", str(xfail), "--max-examples", "10"
+        tmp_path,
+        "--impl",
+        str(target),
+        "--xfail",
+        str(xfail),
+        "--max-examples",
+        "10",
+        bounds=bounds,
     )
     assert code == 0, output
     assert data is not None and data["conformant"] is True

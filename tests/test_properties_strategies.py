@@ -141,15 +141,6 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
 
 
 @FAST
-@given(s.worlds(max_size=8))
-def test_worlds_respect_the_size_limit(world: object) -> None:
-    from pipemetrics.sim.layout import WorldSpec
-
-    assert isinstance(world, WorldSpec)
-    assert 1 <= world.world_size <= 8
-
-
-@FAST
 @given(s.broadcast_scenarios(CI, "invalid"))
 def test_invalid_broadcasts_have_an_invalid_input(scenario: Scenario) -> None:
     assert "source_none" in features(scenario) or "invalid_buffer" in features(scenario)

@@ -9,15 +9,16 @@ from pathlib import Path
 
 from pipemetrics.properties.catalogue import CATALOGUE
 
+from .conftest import Bounds
 from .test_properties_runner import check, statuses
 
 SEED_LETTER = Path(__file__).resolve().parent / "seed_letter" / "common.py"
 
 
-def test_seed_letter_implementation_passes_the_seed_profile(tmp_path: Path) -> None:
+def test_seed_letter_implementation_passes_the_seed_profile(tmp_path: Path, bounds: Bounds) -> None:
     code, data, output = check(
         tmp_path, "--impl", str(SEED_LETTER), "--profile", "seed",
-        "--hypothesis-profile", "dev", "--max-examples", "40", "--seed", "0", timeout=900,
+        "--hypothesis-profile", "dev", "--max-examples", "40", "--seed", "0", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     seed_ids = [p.id for p in CATALOGUE if "seed" in p.profiles]
@@ -25,13 +26,13 @@ def test_seed_letter_implementation_passes_the_seed_profile(tmp_path: Path) -> N
     assert code == 0 and data["conformant"] is True
 
 
-def test_seed_letter_implementation_is_not_strict(tmp_path: Path) -> None:
+def test_seed_letter_implementation_is_not_strict(tmp_path: Path, bounds: Bounds) -> None:
     """The strict profile's extra guarantee (every rank raises) is not the document's."""
     code, data, output = check(
         tmp_path, "--impl", str(SEED_LETTER), "--profile", "strict",
         "--only", "broadcast.errors_everywhere", "broadcast.value_error",
         "--hypothesis-profile", "dev", "--max-examples", "20", "--seed", "0",
-        "--shrink-seconds", "5",
+        "--shrink-seconds", "5", bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     assert statuses(data) == {

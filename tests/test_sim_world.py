@@ -25,7 +25,7 @@ from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, ro
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.topology import places_for
 
-from .conftest import TrackingPool, assert_nothing_left, pid_alive
+from .conftest import Bounds, Lines, TrackingPool, assert_nothing_left, pid_alive
 
 SETUP = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2, moe_layer_freq=[0, 1]))
 RECORDS = StepRecords(
@@ -284,7 +284,10 @@ def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> No
 # -- the controller going away --------------------------------------------------------------------
 
 CONTROLLER = """
-import sys, time
+import signal, sys, time
+# Python keeps SIGINT ignored when it starts that way (a background job of a non-interactive
+# shell, some CI runners): this controller must see it whatever started the test run
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.world import World, _forkserver_directory
 world = World(WorldSpec(pp=2)).start()
@@ -294,18 +297,21 @@ time.sleep(600)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_nothing_survives_the_controller(how: signal.Signals, tmp_path: Path) -> None:
+def test_nothing_survives_the_controller(
+    how: signal.Signals, tmp_path: Path, bounds: Bounds
+) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", CONTROLLER], stdout=subprocess.PIPE, text=True, cwd=tmp_path
     )
     try:
         assert proc.stdout is not None
-        line = proc.stdout.readline().split()
-        assert line, "the controller did not start its world"
+        lines = Lines(proc.stdout)
+        assert lines.wait_for("pipemetrics-world-", bounds(6, 60)), "no world was started"
+        line = lines.seen[0].split()
         pids, dirs = {int(line[0]), int(line[1])}, set(line[2:])
         os.kill(proc.pid, how)
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        proc.wait(timeout=bounds(3, 30))
+        deadline = time.monotonic() + bounds(1, 10)
         while time.monotonic() < deadline and (
             any(pid_alive(p) for p in pids) or any(os.path.exists(d) for d in dirs)
         ):
@@ -317,7 +323,7 @@ def test_nothing_survives_the_controller(how: signal.Signals, tmp_path: Path) ->
             proc.wait()
 
 
-def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
+def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None:
     target = write_target(
         tmp_path,
         "raises_rank0",
@@ -344,7 +350,7 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=bounds(18, 180),
     )
     assert result.returncode == 1, result.stderr
     assert "verdict: deadlock" in result.stdout
@@ -362,7 +368,7 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=bounds(18, 180),
     )
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
 
@@ -375,21 +381,23 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path) -> None:
         ('{"setup": {"world": {"pp": 4}, "layout": {"num_layers": 2}}, "steps": []}', "setup"),
     ],
 )
-def test_bad_scenario_files_are_clear_errors(tmp_path: Path, content: str, field: str) -> None:
+def test_bad_scenario_files_are_clear_errors(
+    tmp_path: Path, bounds: Bounds, content: str, field: str
+) -> None:
     path = tmp_path / "bad.json"
     path.write_text(content)
     result = subprocess.run(
         [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=bounds(12, 120),
     )
     assert result.returncode == 2
     assert "not a valid pipemetrics scenario" in result.stderr and field in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_torchrun_runs_the_same_scenario(tmp_path: Path) -> None:
+def test_torchrun_runs_the_same_scenario(tmp_path: Path, bounds: Bounds) -> None:
     scenario = scenario_for("pipemetrics.reference")
     path = save_scenario(scenario, tmp_path / "scenario.json")
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -405,7 +413,7 @@ def test_torchrun_runs_the_same_scenario(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=bounds(24, 240),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -456,7 +464,7 @@ def test_classes_defined_in_a_path_target_pickle_between_ranks(
         assert result.done is not None and result.done.reports[0].value == {"ranks": 1.0}
 
 
-def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path) -> None:
+def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path, bounds: Bounds) -> None:
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     deep.mkdir(parents=True)
     code = (
@@ -471,7 +479,7 @@ def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path) -> None:
         [sys.executable, "-c", code],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=bounds(18, 180),
         env={**os.environ, "TMPDIR": str(deep)},
     )
     assert result.returncode == 3, result.stdout + result.stderr
@@ -483,3 +491,10 @@ def test_too_long_tmpdir_is_a_clear_start_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("world", [WorldSpec(pp=2, dp=2), WorldSpec(tp=2, pp=2)])
 def test_live_places_match_the_arithmetic(pool: TrackingPool, world: WorldSpec) -> None:
     assert pool.world(world).places == places_for(world)
+
+
+def test_a_legacy_layout_steps_key_is_ignored() -> None:
+    """Scenario files written before ``ModelLayout.steps`` was removed still load."""
+    layout = ModelLayout.model_validate({"num_layers": 2, "steps": 1})
+    assert layout == ModelLayout(num_layers=2)
+    assert "steps" not in layout.model_dump()

@@ -24,11 +24,10 @@ from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario, Step
 
-from .conftest import TrackingPool, run_bounded
+from .conftest import Bounds, TrackingPool, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
-CHECK_TIMEOUT_S = 540.0
 
 
 def vendor(dest: Path | str, cwd: Path) -> tuple[int, Path]:
@@ -70,9 +69,13 @@ def test_vendor_into_a_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dest", ["missing/common.py", "missing/"])
-def test_vendor_refuses_a_missing_parent(tmp_path: Path, dest: str) -> None:
+def test_vendor_refuses_a_missing_parent(tmp_path: Path, bounds: Bounds, dest: str) -> None:
     proc = subprocess.run(
-        [*CLI, "vendor", dest], cwd=tmp_path, capture_output=True, text=True, timeout=120
+        [*CLI, "vendor", dest],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=bounds(12, 120),
     )
     assert proc.returncode == 2, proc.stderr
     assert "does not exist" in proc.stderr
@@ -125,7 +128,7 @@ def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) 
     assert run.collectives_released > 0
 
 
-def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path) -> None:
+def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path, bounds: Bounds) -> None:
     report = tmp_path / "report.json"
     proc = run_bounded(
         [
@@ -133,7 +136,7 @@ def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path) -> No
             "--json", str(report), "--report-dir", str(tmp_path / "pipemetrics-report"),
         ],
         cwd=tmp_path,
-        timeout=CHECK_TIMEOUT_S,
+        timeout=bounds(54, 540),
     )  # fmt: skip
     assert report.exists(), proc.stdout[-4000:]
     data = json.loads(report.read_text(encoding="utf-8"))

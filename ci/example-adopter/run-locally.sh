@@ -27,8 +27,6 @@ else
   echo "run-locally.sh: no pipemetrics found (run bash ci/bootstrap.sh first)" >&2
   exit 2
 fi
-python=$(dirname "$pipemetrics")/python
-[ -x "$python" ] || python=python3
 out=${PIPEMETRICS_OUT:-$here}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
@@ -37,22 +35,15 @@ IMPL=toytrainer/megatron/common.py
 PROFILE=seed
 ARGS="--max-examples 25"
 
-markdown=()
-if "$pipemetrics" check --help 2>/dev/null | grep -q -- '--markdown'; then
-  markdown=(--markdown "$out/pipemetrics-summary.md")
-fi
 set -x
 # shellcheck disable=SC2086  # ARGS is split into arguments, as in the action
 "$pipemetrics" check --impl "$IMPL" --profile "$PROFILE" \
   --json "$out/pipemetrics.json" --junit "$out/pipemetrics.xml" \
-  --report-dir "$out/pipemetrics-report" "${markdown[@]}" $ARGS "$@"
+  --report-dir "$out/pipemetrics-report" --markdown "$out/pipemetrics-summary.md" $ARGS "$@"
 code=$?
 { set +x; } 2>/dev/null
 
 # the job summary the action writes to $GITHUB_STEP_SUMMARY
-if [ ! -s "$out/pipemetrics-summary.md" ]; then
-  "$python" ../action/render_summary.py "$out/pipemetrics.json" > "$out/pipemetrics-summary.md"
-fi
 echo
 echo "----- job summary ($out/pipemetrics-summary.md) -----"
 cat "$out/pipemetrics-summary.md"

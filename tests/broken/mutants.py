@@ -10,15 +10,6 @@ wrong).
 The edits are applied to the reference text as it is now. A snippet that is not found exactly
 once raises `MutantApplyError`, so a change to the reference breaks these fixtures loudly
 instead of silently producing a copy without the bug.
-
-Known simulator limitation (pipemetrics.sim.target, as of this writing): a path target is
-executed under a random module name that is not in ``sys.modules``, so the reference's (and
-every mutant's) ``_EntryMeta`` NamedTuple in the get_moe_metrics metadata cannot be pickled by
-``all_gather_object`` on a rank that recorded entries (PicklingError on that rank, its peers
-left in the real all_gather: a ``timeout``, not a diagnosis). Broadcast and MTP mutants are not
-affected. Until the simulator registers path targets under a rank-independent name, load MoE
-mutants through an importable package (e.g. ``<dir>/mut_x/__init__.py`` importing
-``mut_x.impl`` with ``<dir>`` on PYTHONPATH) and pass the dotted name.
 """
 
 from __future__ import annotations

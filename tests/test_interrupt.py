@@ -1,0 +1,91 @@
+"""`SignalGuard` and `stop_child` in-process, and the probe on a healthy target.
+
+The end-to-end behaviour (a signal at each phase of a real command) is in test_faults.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.sim.interrupt import Interrupted, SignalGuard, stop_child
+from pipemetrics.sim.probe import probe_target, require_api
+from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError
+
+from .conftest import Bounds
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_the_first_signal_interrupts_and_later_ones_do_not(how: signal.Signals) -> None:
+    before = signal.getsignal(how)
+    with SignalGuard() as guard:
+        with pytest.raises(Interrupted) as caught:
+            os.kill(os.getpid(), how)
+            time.sleep(5)  # the handler runs before this ends
+        assert caught.value.exit_code == 128 + how
+        assert isinstance(caught.value, KeyboardInterrupt)  # Hypothesis re-raises it as is
+        os.kill(os.getpid(), signal.SIGINT)  # during cleanup: recorded, nothing raised
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    assert guard.received == how and guard.exit_code == 128 + how
+    assert signal.getsignal(how) == before
+
+
+def test_an_inherited_ignored_sigint_is_handled_anyway() -> None:
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with SignalGuard(), pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_stop_child_terminates_then_kills() -> None:
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time\n"
+         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert stubborn.stdout is not None
+    stubborn.stdout.readline()  # SIGTERM is ignored from here on
+    began = time.monotonic()
+    stop_child(stubborn, grace_s=0.5)
+    assert stubborn.returncode == -signal.SIGKILL
+    assert time.monotonic() - began < 30
+    polite = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop_child(polite)
+    assert polite.returncode == -signal.SIGTERM
+
+
+def test_the_probe_reports_what_a_healthy_target_defines(tmp_path: Path, bounds: Bounds) -> None:
+    target = tmp_path / "partial.py"
+    target.write_text("def get_mtp_metrics(loss_scale):\n    return {}\nbroadcast_tensor = 3\n")
+    assert probe_target(str(target), bounds(3, 30)) == ["get_mtp_metrics"]
+    assert probe_target("pipemetrics.reference", bounds(3, 30)) == list(API_FUNCTIONS)
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(TargetLoadError, match="no function of the API found in"):
+        require_api(str(empty), probe_target(str(empty), bounds(3, 30)))
+    with pytest.raises(TargetLoadError, match="--load-timeout must be > 0"):
+        probe_target(str(target), 0)
+
+
+def test_a_worker_that_ends_without_results_makes_its_properties_errors(tmp_path: Path) -> None:
+    """``check -n``: a crashed worker's exit code is never passed on; its properties error."""
+    from pipemetrics.properties.catalogue import CATALOGUE
+    from pipemetrics.properties.coverage import Coverage
+    from pipemetrics.properties.runner import _worker_results
+
+    share = list(CATALOGUE[:2])
+    results = _worker_results(-signal.SIGKILL, str(tmp_path / "none.json"), share, Coverage())
+    assert [r.id for r in results] == [p.id for p in share]
+    assert {r.status for r in results} == {"error"}
+    assert all("killed by signal SIGKILL without results" in (r.message or "") for r in results)
