@@ -13,8 +13,8 @@ MoE tracker (``MoEMetricsTracker.record``, called only by ``TopKRouter``):
   MTP layer); it then holds exactly the names the router records for the config
   (`ModelLayout.live_track_names`), inserted in the router's order (``z_loss`` first, then
   ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``);
-* every entry has length ``num_layers + mtp_num_layers`` and the router's groups for its name
-  (`ROUTER_REDUCTION`);
+* every entry has length ``num_layers + mtp_num_layers`` and the installed router's groups for
+  its name (`pipemetrics.sim.records.router_reduction`: 0.18 records ``z_loss`` without groups);
 * values are sums over microbatches of per-forward losses divided by their coefficient: finite
   and >= 0 (aux losses, z-loss), non-zero only in the stage's router slots, except ``z_loss``
   with ``moe_z_loss_coeff == 0.0``, which the router records as ``0 / 0``: NaN in its slots.
@@ -36,12 +36,12 @@ import struct
 
 from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.records import (
-    ROUTER_REDUCTION,
     EntrySnapshot,
     MtpSnapshot,
     RankPlace,
     StepRecords,
     TrackerSnapshot,
+    router_reduction,
 )
 
 MTP_AVG_ROLE = "dp_cp"
@@ -66,12 +66,13 @@ def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     if names != expected:
         return [f"rank {place.rank}: names {names}, but the router records {expected}"]
     problems = []
+    reduction = router_reduction()
     slots = set(setup.router_slots(stage))
     for name, entry in snapshot.moe.items():
         where = f"rank {place.rank} {name}"
         if len(entry.values) != layout.track_length:
             problems.append(f"{where}: length {len(entry.values)} != {layout.track_length}")
-        reduce, avg, needs_dp_avg = ROUTER_REDUCTION[name]
+        reduce, avg, needs_dp_avg = reduction[name]
         groups = (_role_ranks(place, reduce), _role_ranks(place, avg), needs_dp_avg)
         if (entry.reduce_group, entry.avg_group, entry.needs_dp_avg) != groups:
             problems.append(f"{where}: groups differ from the router's {groups}")

@@ -4,8 +4,8 @@
 inside the reachability model of `pipemetrics.properties.reachable` (tests check every draw
 against it): every rank records, for every microbatch and every router its pipeline stage owns
 (main MoE layers at their 1-based global slot; MoE MTP layers at slot ``num_layers + k``), each
-live name in the router's order with the groups megatron-core's router passes
-(`ROUTER_REDUCTION`) and entries of length ``num_layers + mtp_num_layers``. The ranks of the
+live name in the router's order with the groups the installed megatron-core's router passes
+(`pipemetrics.sim.records.router_reduction`) and entries of length ``num_layers + mtp_num_layers``. The ranks of the
 stage holding the MTP layers record every MTP layer per microbatch (0-based ``layer_number``,
 averaged over the data+context group): a loss and whole token counts with correct <= total,
 the same on tensor-parallel peers.
@@ -19,7 +19,13 @@ from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import MTP_AVG_ROLE, nan_recorded
 from pipemetrics.sim.layout import Setup
-from pipemetrics.sim.records import MoeRecord, MtpRecord, StepRecords, router_record
+from pipemetrics.sim.records import (
+    MoeRecord,
+    MtpRecord,
+    StepRecords,
+    router_record,
+    router_reduction,
+)
 from pipemetrics.sim.topology import places_for
 
 VALUE_BANDS: dict[str, tuple[float, float]] = {
@@ -59,12 +65,13 @@ def _rank_moe_records(
     draw: st.DrawFn, setup: Setup, stage: int, values: st.SearchStrategy[float]
 ) -> list[MoeRecord]:
     layout = setup.layout
+    reduction = router_reduction()
     records = []
     for _ in range(layout.microbatches):
         for slot in setup.router_slots(stage):
             for name in layout.live_track_names:
                 value = math.nan if nan_recorded(setup, name) else draw(values)
-                records.append(router_record(name, slot, value, layout.track_length))
+                records.append(router_record(name, slot, value, layout.track_length, reduction))
     return records
 
 

@@ -7,6 +7,7 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
+from importlib import metadata
 from typing import Annotated
 
 from pydantic import Field
@@ -106,12 +107,41 @@ ROUTER_REDUCTION: dict[str, tuple[str | None, str | None, bool]] = {
 """(reduce group, avg group, needs_dp_avg) that megatron-core 0.19's router passes per name."""
 
 
-def router_record(name: str, layer_number: int, value: float, num_layers: int) -> MoeRecord:
-    """A record of ``name`` with the groups megatron-core's router passes for it.
+Reduction = tuple[str | None, str | None, bool]
+
+Z_LOSS_WITHOUT_GROUPS: dict[str, Reduction] = {**ROUTER_REDUCTION, "z_loss": (None, None, True)}
+"""The table of megatron-core 0.18's router, which records z_loss with ``MetricEntry``'s
+defaults (`router_reduction` picks the installed release's)."""
+
+
+def router_reduction() -> dict[str, Reduction]:
+    """(reduce group, avg group, needs_dp_avg) per name as the installed ``TopKRouter`` records.
+
+    megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.18
+    records it without groups (`Z_LOSS_WITHOUT_GROUPS`). The router's code is the only place
+    that says so, and importing it costs seconds, so the installed release decides (read from
+    the package metadata, without importing megatron).
+    """
+    try:
+        installed = metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return ROUTER_REDUCTION
+    return Z_LOSS_WITHOUT_GROUPS if installed.startswith("0.18.") else ROUTER_REDUCTION
+
+
+def router_record(
+    name: str,
+    layer_number: int,
+    value: float,
+    num_layers: int,
+    reduction: dict[str, Reduction] = ROUTER_REDUCTION,
+) -> MoeRecord:
+    """A record of ``name`` with the groups megatron-core's router passes for it (``reduction``:
+    the router's table, 0.19's by default).
 
     Names the router does not know reduce like a fresh ``MetricEntry``: no groups, dp average.
     """
-    reduce, avg, needs_dp_avg = ROUTER_REDUCTION.get(name, (None, None, True))
+    reduce, avg, needs_dp_avg = reduction.get(name, (None, None, True))
     return MoeRecord(
         name=name,
         layer_number=layer_number,
