@@ -16,8 +16,11 @@ MoE tracker (``MoEMetricsTracker.record``, called only by ``TopKRouter``):
 * every entry has length ``num_layers + mtp_num_layers`` and the installed router's groups for
   its name (`pipemetrics.sim.records.router_reduction`: 0.18 records ``z_loss`` without groups);
 * values are sums over microbatches of per-forward losses divided by their coefficient: finite
-  and >= 0 (aux losses, z-loss), non-zero only in the stage's router slots, except ``z_loss``
-  with ``moe_z_loss_coeff == 0.0``, which the router records as ``0 / 0``: NaN in its slots.
+  and > 0 in the stage's router slots (a load-balancing loss sums positive token fractions times
+  positive probabilities; a z-loss is a mean of squared log-sum-exps, zero only in degenerate
+  cases), 0 elsewhere, except ``z_loss`` with ``moe_z_loss_coeff == 0.0``, which the router
+  records as ``0 / 0``: NaN in its slots. So an all-zero entry is never the router's: it is a
+  placeholder some code pre-initialised.
 
 MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``):
 
@@ -82,8 +85,8 @@ def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
                     problems.append(f"{where}[{slot - 1}] = {value} outside the router slots")
             elif nan_recorded(setup, name) != math.isnan(value):
                 problems.append(f"{where}[{slot - 1}] = {value}: NaN exactly for z_loss coeff 0")
-            elif not math.isnan(value) and not (0.0 <= value < math.inf):
-                problems.append(f"{where}[{slot - 1}] = {value} is not finite and >= 0")
+            elif not math.isnan(value) and not (0.0 < value < math.inf):
+                problems.append(f"{where}[{slot - 1}] = {value} is not finite and > 0")
     return problems
 
 

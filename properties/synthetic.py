@@ -33,7 +33,8 @@ VALUE_BANDS: dict[str, tuple[float, float]] = {
     "tiny": (1e-30, 1e-20),
     "huge": (1e20, 1e30),
 }
-"""Magnitude bands of recorded losses (besides exact zeros). Losses are non-negative, so no
+"""Magnitude bands of recorded losses (MTP losses also exactly 0: a microbatch without valid
+tokens). Losses are non-negative, so no
 cancellation can make a float32 reduction disagree with the float64 oracle; the largest
 magnitude keeps float32 sums finite, the smallest stays far above float32's subnormals."""
 
@@ -42,8 +43,10 @@ MAX_TOKENS = 100_000
 
 
 def recorded_values() -> st.SearchStrategy[float]:
-    """Non-negative finite losses: zeros and every band of `VALUE_BANDS`."""
-    return st.one_of(st.just(0.0), *(st.floats(lo, hi) for lo, hi in VALUE_BANDS.values()))
+    """Router losses: positive and finite, in every band of `VALUE_BANDS` (a load-balancing loss
+    is a sum of positive token fractions times positive probabilities; a z-loss a mean of
+    squared log-sum-exps: zero only in degenerate cases no training step produces)."""
+    return st.one_of(*(st.floats(lo, hi) for lo, hi in VALUE_BANDS.values()))
 
 
 def mtp_losses() -> st.SearchStrategy[float]:

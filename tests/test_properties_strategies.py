@@ -109,7 +109,8 @@ def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
 
 def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
     layout = ModelLayout(
-        num_layers=2, moe_layer_freq=[0, 1], mtp_num_layers=1, routing_type=["aux_loss"],
+        num_layers=2, moe_layer_freq=[0, 1], mtp_num_layers=1, mtp_is_moe=False,
+        routing_type=["aux_loss"],
         aux_loss_coeff=[0.1], z_loss_coeff=1e-3,
     )  # fmt: skip
     setup = Setup(world=WorldSpec(pp=2, tp=2), layout=layout)
@@ -135,6 +136,9 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
         ),
         "dense stage records": good.model_copy(update={"moe": {**good.moe, 0: good.moe[2]}}),
         "slot outside the stage": good.model_copy(update={"moe": wrong_slot}),
+        "a zero loss": good.model_copy(
+            update={"moe": {**good.moe, 2: [router_record(n, 2, 0.0, 3) for n in ("z_loss", LBL)]}}
+        ),
     }
     for what, records in bad.items():
         assert tracker_violations(setup, places, recorded_snapshots(places, records)), what
