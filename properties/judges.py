@@ -124,12 +124,13 @@ def _per_rank(
     scenario: Scenario,
     run: WorldRun,
     kind: type,
-    check: Callable[[CallView, dict[str, float], Any], list[str]],
+    check: Callable[[CallView, int, dict[str, float], Any], list[str]],
 ) -> list[str]:
+    """``check(view, rank, expected, actual)`` over every call of ``kind`` and every rank."""
     problems = []
     for view, expected in _views(scenario, run, kind):
         for rank, report in sorted(view.reports.items()):
-            for line in check(view, expected.get(rank, {}), report.value):
+            for line in check(view, rank, expected.get(rank, {}), report.value):
                 problems.append(f"{_where(view, rank)}: {line}")
     return problems
 
@@ -141,7 +142,7 @@ def _per_rank(
 def moe_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Every per-name mean equals the oracle's (loss_scale * sum / D)."""
 
-    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+    def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         if not isinstance(act, dict):
             return [f"returned {short(act)}, not a dict"]
         return _keyed(exp, {k: v for k, v in act.items() if k in exp}, _is_mean, "mean")
@@ -154,7 +155,7 @@ def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
     """The per-name keys are exactly the oracle's: recorded names plus pre-initialised ones."""
     live = set(scenario.setup.layout.live_track_names)
 
-    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+    def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         expected = {k for k in exp if _is_mean(k)}
         assert isinstance(view.spec, MoeCall)
         requested = set(view.spec.track_names or []) if view.spec.preinit_length else set()
@@ -180,7 +181,10 @@ def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
 def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
     """With per_layer_logging, ``moe/{name}_layer_{i}`` = loss_scale * v[i], nothing else."""
     return _per_rank(
-        scenario, run, MoeCall, lambda view, exp, act: _keyed(exp, act, _is_per_layer, "per-layer")
+        scenario,
+        run,
+        MoeCall,
+        lambda view, rank, exp, act: _keyed(exp, act, _is_per_layer, "per-layer"),
     )
 
 
@@ -188,7 +192,7 @@ def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
 def moe_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Means and per-layer values equal the oracle's (router mode: megatron's own records)."""
     return _per_rank(
-        scenario, run, MoeCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, "")
+        scenario, run, MoeCall, lambda v, r, exp, act: _keyed(exp, act, lambda k: True, "")
     )
 
 
@@ -218,24 +222,26 @@ def _scale_hint(scenario: Scenario, view: CallView, rank: int, key: str, actual:
 def _scaled_problems(
     scenario: Scenario, run: WorldRun, kind: type, keep: Callable[[str], bool]
 ) -> list[str]:
-    problems = []
-    for view, expected in _views(scenario, run, kind):
+    """Wrong values among the keys ``keep`` selects, each with the loss_scale it was called
+    with and a hint where an exact recomputation explains it."""
+
+    def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         assert isinstance(view.spec, MoeCall | MtpCall)
-        for rank, report in sorted(view.reports.items()):
-            act = report.value
-            if not isinstance(act, dict):
-                problems.append(f"{_where(view, rank)}: returned {short(act)}, not a dict")
-                continue
-            for key, value in expected.get(rank, {}).items():
-                if not keep(key) or key not in act:
-                    continue
-                diff = oracle.value_difference(key, value, act[key])
-                if diff is not None:
-                    problems.append(
-                        f"{_where(view, rank)}: {diff} with loss_scale={view.spec.loss_scale!r}"
-                        + _scale_hint(scenario, view, rank, key, act[key])
-                    )
-    return problems
+        if not isinstance(act, dict):
+            return [f"returned {short(act)}, not a dict"]
+        problems = []
+        for key, value in exp.items():
+            diff = (
+                oracle.value_difference(key, value, act[key]) if keep(key) and key in act else None
+            )
+            if diff is not None:
+                problems.append(
+                    f"{diff} with loss_scale={view.spec.loss_scale!r}"
+                    + _scale_hint(scenario, view, rank, key, act[key])
+                )
+        return problems
+
+    return _per_rank(scenario, run, kind, check)
 
 
 @_guarded
@@ -347,7 +353,7 @@ def mtp_keys(scenario: Scenario, run: WorldRun) -> list[str]:
     is ``mtp_{i}_loss`` only, and an acceptance key is reported as unexpected.
     """
 
-    def check(view: CallView, exp: dict[str, float], act: Any) -> list[str]:
+    def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         if not isinstance(act, dict):
             return [f"returned {short(act)}, not a dict"]
         if set(map(str, act)) == set(exp):
@@ -413,7 +419,7 @@ def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
 def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Every MTP key and value equals the oracle's."""
     return _per_rank(
-        scenario, run, MtpCall, lambda v, exp, act: _keyed(exp, act, lambda k: True, "")
+        scenario, run, MtpCall, lambda v, r, exp, act: _keyed(exp, act, lambda k: True, "")
     )
 
 

@@ -65,6 +65,17 @@ def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) 
         assert "PicklingError" not in (entry["message"] or "")
         assert entry["replay"] and entry["counterexample"]
         assert_replay_reproduces(entry, tmp_path / f"{property_id}.replay.json")
+        if name in HINTS:
+            assert HINTS[name] in entry["message"], entry["message"]
+        else:  # a hint is printed only when an exact recomputation explains the value
+            assert "(loss_scale " not in entry["message"], entry["message"]
+
+
+#: The diagnosis a mutant's failure must carry (every other mutant's must carry none).
+HINTS = {
+    "mtp_loss_unscaled": "(loss_scale not applied: recomputing with loss_scale=1.0 gives it)",
+    "moe_loss_scale_twice": "(loss_scale applied twice",
+}
 
 
 VERDICT_KINDS = frozenset({"deadlock", "mismatch", "crash", "timeout"})
