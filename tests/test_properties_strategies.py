@@ -19,7 +19,13 @@ from pipemetrics.properties.reachable import recorded_snapshots, tracker_violati
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
 from pipemetrics.sim.calls import BroadcastCall, MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.records import MtpRecord, StepRecords, router_record
+from pipemetrics.sim.records import (
+    MoeRecord,
+    MtpRecord,
+    StepRecords,
+    router_record,
+    router_reduction,
+)
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import places_for
 
@@ -115,18 +121,22 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
     )  # fmt: skip
     setup = Setup(world=WorldSpec(pp=2, tp=2), layout=layout)
     places = places_for(setup.world)
+
+    def record(name: str, slot: int, value: float) -> MoeRecord:  # the installed router's groups
+        return router_record(name, slot, value, 3, router_reduction())
+
     mtp = [MtpRecord(layer_number=0, num_layers=1, loss=1.0, correct=2.0, total=3.0)]
     good = StepRecords(
-        moe={r: [router_record(n, 2, 1.0, 3) for n in ("z_loss", LBL)] for r in (2, 3)},
+        moe={r: [record(n, 2, 1.0) for n in ("z_loss", LBL)] for r in (2, 3)},
         mtp={2: mtp, 3: mtp},
     )
     assert tracker_violations(setup, places, recorded_snapshots(places, good)) == []
     swapped = good.model_copy(
-        update={"moe": {**good.moe, 3: [router_record(n, 2, 1.0, 3) for n in (LBL, "z_loss")]}}
+        update={"moe": {**good.moe, 3: [record(n, 2, 1.0) for n in (LBL, "z_loss")]}}
     )
     more_correct = [mtp[0].model_copy(update={"correct": 4.0})]
     fractional = [mtp[0].model_copy(update={"total": 3.5})]
-    wrong_slot = {**good.moe, 2: [router_record(n, 1, 1.0, 3) for n in ("z_loss", LBL)]}
+    wrong_slot = {**good.moe, 2: [record(n, 1, 1.0) for n in ("z_loss", LBL)]}
     bad = {
         "insertion order": swapped,
         "correct > total": good.model_copy(update={"mtp": {2: more_correct, 3: more_correct}}),
@@ -137,7 +147,7 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
         "dense stage records": good.model_copy(update={"moe": {**good.moe, 0: good.moe[2]}}),
         "slot outside the stage": good.model_copy(update={"moe": wrong_slot}),
         "a zero loss": good.model_copy(
-            update={"moe": {**good.moe, 2: [router_record(n, 2, 0.0, 3) for n in ("z_loss", LBL)]}}
+            update={"moe": {**good.moe, 2: [record(n, 2, 0.0) for n in ("z_loss", LBL)]}}
         ),
     }
     for what, records in bad.items():
