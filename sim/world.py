@@ -101,11 +101,17 @@ def stop_forkserver() -> None:
     torch and megatron-core finishes that (seconds) before it notices its parent is gone.
     Worlds already started are not affected (their ranks are not its children).
     """
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
     if not isinstance(pid, int):
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
+    stop = getattr(server, "_stop", None)
+    if callable(stop):  # reaps it and forgets it, so a later world in this process starts anew
+        with contextlib.suppress(ChildProcessError, OSError):
+            stop()
+        return
     with contextlib.suppress(ChildProcessError, OSError):
         os.waitpid(pid, 0)
 

@@ -498,3 +498,15 @@ def test_a_legacy_layout_steps_key_is_ignored() -> None:
     layout = ModelLayout.model_validate({"num_layers": 2, "steps": 1})
     assert layout == ModelLayout(num_layers=2)
     assert "steps" not in layout.model_dump()
+
+
+def test_a_world_starts_after_the_fork_server_was_stopped() -> None:
+    """`stop_forkserver` (what every CLI command does at its end, also when called in-process)
+    forgets the server, so the next world of the process starts a new one."""
+    from pipemetrics.sim.world import World, stop_forkserver
+
+    with World(WorldSpec()) as world:
+        assert world.alive
+    stop_forkserver()
+    with World(WorldSpec()) as world:
+        assert world.alive
