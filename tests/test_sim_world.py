@@ -25,7 +25,15 @@ from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, ro
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.topology import places_for
 
-from .conftest import Bounds, Lines, TrackingPool, assert_nothing_left, pid_alive
+from .conftest import (
+    Bounds,
+    Lines,
+    TrackingPool,
+    assert_no_leftovers,
+    assert_nothing_left,
+    pid_alive,
+    private_tmpdir,
+)
 
 SETUP = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2, moe_layer_freq=[0, 1]))
 RECORDS = StepRecords(
@@ -401,21 +409,23 @@ def test_torchrun_runs_the_same_scenario(tmp_path: Path, bounds: Bounds) -> None
     scenario = scenario_for("pipemetrics.reference")
     path = save_scenario(scenario, tmp_path / "scenario.json")
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "pipemetrics.sim.torchrun",
-            str(path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=bounds(24, 240),
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    with private_tmpdir() as tmp:  # torchrun writes its log directory under TMPDIR
+        result = subprocess.run(
+            [
+                str(torchrun),
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "pipemetrics.sim.torchrun",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=bounds(24, 240),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp)},
+        )
+        assert_no_leftovers(tmp)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "judged by the whole run (a scenario without a property): PASS" in result.stdout
 
