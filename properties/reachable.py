@@ -26,8 +26,10 @@ MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp
 
 * held only by the ranks of the stage holding the MTP layers, each with ``mtp_num_layers`` slots,
   no reduce group and the data+context-parallel group as avg group;
-* loss: a per-token cross entropy, finite and >= 0; correct and total: whole token counts with
-  ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones);
+* loss: a per-token cross entropy, finite and >= 0, and exactly 0 where no token was valid
+  (``process_mtp_loss`` multiplies by ``num_tokens > 0``); correct and total: whole token counts
+  with ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones,
+  total is the count of valid tokens);
 * the tensor-parallel ranks of one (pp, cp, dp) coordinate hold the same loss and counts (the
   vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result).
 """
@@ -110,6 +112,8 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
             whole = correct == int(correct) and total == int(total)
             if not (whole and 0 <= correct <= total):
                 problems.append(f"{where}[{i}]: correct {correct}, total {total}")
+            if total == 0 and mtp.loss[i] != 0.0:
+                problems.append(f"{where}[{i}]: loss {mtp.loss[i]} without a valid token")
     return problems
 
 

@@ -90,7 +90,7 @@ def _mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
                 MtpRecord(
                     layer_number=k,
                     num_layers=layout.mtp_num_layers,
-                    loss=draw(mtp_losses()),
+                    loss=draw(mtp_losses()) if total else 0.0,  # no valid token: loss 0
                     correct=correct,
                     total=total,
                     avg=MTP_AVG_ROLE,

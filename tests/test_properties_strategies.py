@@ -146,6 +146,13 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
         ),
         "dense stage records": good.model_copy(update={"moe": {**good.moe, 0: good.moe[2]}}),
         "slot outside the stage": good.model_copy(update={"moe": wrong_slot}),
+        "an MTP loss without tokens": good.model_copy(
+            update={
+                "mtp": {
+                    r: [mtp[0].model_copy(update={"correct": 0.0, "total": 0.0})] for r in (2, 3)
+                }
+            }
+        ),
         "a zero loss": good.model_copy(
             update={"moe": {**good.moe, 2: [record(n, 2, 0.0) for n in ("z_loss", LBL)]}}
         ),
