@@ -78,8 +78,11 @@ def assert_clean(pids: set[int], tmp: Path, shm_before: set[str], grace: float =
     assert wait_for(lambda: not any(pid_alive(p) for p in pids), grace), [
         p for p in pids if pid_alive(p)
     ]
-    leftovers = sorted(p.name for p in tmp.iterdir())
-    assert not leftovers, f"left behind in TMPDIR: {leftovers}"
+    # the ended processes' cleanup (their own finalizers) may still be finishing: the same grace
+    wait_for(lambda: not any(tmp.iterdir()), grace)
+    leftovers = {p.name: sorted(c.name for c in p.iterdir()) if p.is_dir() else "file"
+                 for p in tmp.iterdir()}  # fmt: skip
+    assert not leftovers, f"left behind in TMPDIR after {grace:.0f} s: {leftovers}"
     assert shm_segments() <= shm_before, shm_segments() - shm_before
 
 
