@@ -510,13 +510,28 @@ def test_a_legacy_layout_steps_key_is_ignored() -> None:
     assert "steps" not in layout.model_dump()
 
 
-def test_a_world_starts_after_the_fork_server_was_stopped() -> None:
+def test_a_world_starts_after_the_fork_server_was_stopped(bounds: Bounds) -> None:
     """`stop_forkserver` (what every CLI command does at its end, also when called in-process)
-    forgets the server, so the next world of the process starts a new one."""
-    from pipemetrics.sim.world import World, stop_forkserver
-
-    with World(WorldSpec()) as world:
-        assert world.alive
-    stop_forkserver()
-    with World(WorldSpec()) as world:
-        assert world.alive
+    forgets the server, so the next world of the process starts a new one. In its own process:
+    stopping the fork server of this test process would take the module pool's worlds along."""
+    script = textwrap.dedent(
+        """
+        from pipemetrics.sim.layout import WorldSpec
+        from pipemetrics.sim.world import World, stop_forkserver
+        for _ in range(2):
+            with World(WorldSpec()) as world:
+                assert world.alive
+            stop_forkserver()
+        print("two worlds")
+        """
+    )
+    with private_tmpdir() as tmp:
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=bounds(6, 120),
+            env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"},
+        )
+        assert_no_leftovers(tmp)
+    assert result.returncode == 0 and "two worlds" in result.stdout, result.stderr[-3000:]
