@@ -466,27 +466,3 @@ def value_difference(key: str, expected: float, actual: object) -> str | None:
     if not close(expected, number):
         return f"{key!r}: expected {expected!r}, got {number!r}"
     return None
-
-
-def compare_metrics(expected: dict[str, float], actual: object) -> list[str]:
-    """Human-readable differences between an expected metrics dict and what a rank returned.
-
-    Reports a non-dict result, missing keys, extra keys, non-numeric values and values that are
-    not `close`. An empty list means the result is acceptable.
-    """
-    if not isinstance(actual, dict):
-        return [f"result is of type {type(actual).__name__}, not dict: {actual!r}"]
-    problems = [
-        f"missing key {key!r} (expected {value!r})"
-        for key, value in expected.items()
-        if key not in actual
-    ]
-    problems += [
-        f"extra key {key!r} = {value!r}" for key, value in actual.items() if key not in expected
-    ]
-    for key, value in expected.items():
-        if key in actual:
-            difference = value_difference(key, value, actual[key])
-            if difference is not None:
-                problems.append(difference)
-    return problems
