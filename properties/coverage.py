@@ -8,8 +8,10 @@ run so the report can say which rare cases were exercised.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
+from pipemetrics.properties.profiles import GENERATOR_CLASSES
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.layout import EvenSplit, Setup
 from pipemetrics.sim.scenario import Scenario
@@ -108,6 +110,15 @@ def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
     return found
 
 
+def generator_classes(scenario: Scenario) -> set[str]:
+    """The `GENERATOR_CLASSES` one scenario belongs to."""
+    found: set[str] = set()
+    world = scenario.setup.world
+    if world.dp >= 3 or world.tp * world.dp > 2 or world.ep > 1 or world.world_size > 8:
+        found.add("wide_world")
+    return found
+
+
 def features(scenario: Scenario) -> list[str]:
     """The traits of one scenario."""
     world = scenario.setup.world
@@ -124,15 +135,21 @@ def features(scenario: Scenario) -> list[str]:
             found += broadcast_features(call)
         elif isinstance(call, MoeCall):
             found += moe_call_features(scenario.setup, call)
+    found += [f"class:{name}" for name in sorted(generator_classes(scenario))]
     return found
 
 
 class Coverage:
-    """Counts of traits over every scenario run."""
+    """Counts of traits over every scenario run.
 
-    def __init__(self) -> None:
+    ``classes``: the generator classes the profile generates; one of them that no scenario
+    belonged to is listed under ``classes_never_generated`` (a warning in the report).
+    """
+
+    def __init__(self, classes: Iterable[str] = GENERATOR_CLASSES) -> None:
         self.counts: Counter[str] = Counter()
         self.scenarios = 0
+        self.classes = tuple(name for name in GENERATOR_CLASSES if name in set(classes))
 
     def add(self, scenario: Scenario) -> None:
         self.scenarios += 1
@@ -150,5 +167,9 @@ class Coverage:
             "scenarios": self.scenarios,
             "world_sizes": sizes,
             "never_seen": [name for name in RARE if not self.counts.get(name)],
+            "classes": {name: self.counts.get(f"class:{name}", 0) for name in self.classes},
+            "classes_never_generated": [
+                name for name in self.classes if not self.counts.get(f"class:{name}")
+            ],
             "counts": dict(sorted(counts.items())),
         }

@@ -9,13 +9,30 @@ own ``ci`` profile is never overwritten).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, Phase, settings
 
 from pipemetrics.sim.layout import WorldSpec
 
 PROFILE_NAMES: tuple[str, ...] = ("dev", "ci", "thorough")
+
+GENERATOR_CLASSES: dict[str, str] = {
+    "flexible_layout": "Megatron's pipeline_model_parallel_layout (PipelineParallelLayerLayout): "
+    "embedding-only and loss-only stages, stages without decoder layers, standalone MTP",
+    "virtual_pipeline": "interleaved schedule: several non-contiguous layer chunks per rank",
+    "wide_world": "dp = 3, tp x dp > 2, ep = 2 and wider shapes",
+    "group_broadcast": "broadcast_tensor over the pipeline, data-parallel and new_group groups "
+    "with a global source that is not the group's rank 0",
+    "argument_forms": "every argument form: None defaults, loss_scale 0 / negative / large / "
+    "0-d tensor / numpy scalar, get_mtp_metrics() with its default",
+    "multi_step": "step sequences: names first recorded in a later step, MTP in some steps only, "
+    "calls in either order, steps that call one function",
+}
+"""Classes of generated input beyond the basic even/explicit layouts on small worlds. A profile
+generates every class unless told not to (``pipemetrics check --without-class NAME``): an adopter
+whose trainer never uses one can leave it out, and the mutant tests show that each class is what
+catches its mutant."""
 DEFAULT_PROFILE = "ci"
 
 
@@ -65,6 +82,24 @@ class Profile:
     """Wall-clock cap on shrinking one failure."""
     max_ranks: int = 16
     """Rank processes the world pool keeps alive at once."""
+    classes: frozenset[str] = frozenset(GENERATOR_CLASSES)
+    """The `GENERATOR_CLASSES` this profile generates."""
+
+    def generates(self, name: str) -> bool:
+        """Whether the strategies may draw inputs of generator class ``name``."""
+        if name not in GENERATOR_CLASSES:
+            raise ValueError(f"unknown generator class {name!r}")
+        return name in self.classes
+
+    def without(self, names: list[str]) -> Profile:
+        """This profile without the generator classes ``names`` (each must be known)."""
+        unknown = sorted(set(names) - set(GENERATOR_CLASSES))
+        if unknown:
+            raise ValueError(
+                f"--without-class: unknown generator class {', '.join(unknown)}; "
+                f"choose from {', '.join(GENERATOR_CLASSES)}"
+            )
+        return replace(self, classes=self.classes - set(names))
 
     def examples_for(self, override: int | None) -> int:
         """Examples per property: ``override`` (``--max-examples``) or the profile's count."""

@@ -136,6 +136,15 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
         f"{k}={v}" for k, v in counts.items() if not k.startswith(("shape=", "world_size="))
     )
     out.write(f"  {rare}\n")
+    classes = coverage.get("classes", {})
+    if classes:
+        out.write("  generator classes: " + ", ".join(f"{k}={v}" for k, v in classes.items()))
+        out.write("\n")
+    if coverage.get("classes_never_generated"):
+        out.write(
+            "  WARNING: generator classes never generated (by the properties that ran): "
+            f"{', '.join(coverage['classes_never_generated'])}\n"
+        )
     if coverage.get("never_seen"):
         out.write(
             f"  WARNING: never generated (by the properties that ran): "

@@ -26,7 +26,12 @@ from typing import Any
 from pipemetrics.properties.catalogue import SEMANTIC_PROFILES, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.engine import PropertyResult, RunOptions, run_property
-from pipemetrics.properties.profiles import DEFAULT_PROFILE, PROFILE_NAMES, get_profile
+from pipemetrics.properties.profiles import (
+    DEFAULT_PROFILE,
+    GENERATOR_CLASSES,
+    PROFILE_NAMES,
+    get_profile,
+)
 from pipemetrics.properties.report import (
     conformant,
     print_coverage,
@@ -132,6 +137,13 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         help="deadline for importing the target, done first in a child process "
         "(default: %(default)g s)",
     )
+    parser.add_argument(
+        "--without-class",
+        action="append",
+        default=[],
+        metavar="CLASS",
+        help="do not generate inputs of this class (repeatable): " + ", ".join(GENERATOR_CLASSES),
+    )
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
@@ -189,6 +201,8 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
         command += ["--seed", str(args.seed)]
     if args.shrink_seconds is not None:
         command += ["--shrink-seconds", str(args.shrink_seconds)]
+    for name in args.without_class:
+        command += ["--without-class", name]
     return command
 
 
@@ -243,6 +257,7 @@ def run_check(args: argparse.Namespace) -> int:
         profile = get_profile(args.hypothesis_profile)
         if args.shrink_seconds is not None:
             profile = replace(profile, shrink_budget_s=args.shrink_seconds)
+        profile = profile.without(args.without_class)
         selection: Selection = select(args.only, args.skip, args.xfail, profile=args.profile)
     except (SelectionError, ValueError, OSError) as exc:
         _err(f"pipemetrics check: {exc}")
@@ -280,7 +295,7 @@ def run_check(args: argparse.Namespace) -> int:
             results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")
         else:
             todo.append(prop)
-    coverage = Coverage()
+    coverage = Coverage(profile.classes)
     began = time.monotonic()
     _err(
         f"pipemetrics check: {target} ({args.profile} profile, {profile.name} Hypothesis "
