@@ -30,6 +30,10 @@ RARE: tuple[str, ...] = (
     "no_live_names",
     "multi_step",
     "router_mode",
+    "mtp_standalone",
+    "embedding_only_stage",
+    "loss_only_stage",
+    "vpp=2",
 )
 """Traits the report always lists, even when never seen (a zero count is the warning)."""
 
@@ -67,6 +71,15 @@ def layout_features(setup: Setup) -> list[str]:
         found.append("no_live_names")
     if layout.microbatches > 1:
         found.append("microbatches>1")
+    flexible = setup.pipeline_layout
+    if flexible is not None:
+        found.append(f"vpp={flexible.vpp}")
+        if flexible.mtp_standalone:
+            found.append("mtp_standalone")
+        if flexible.grid[0][0] == ["E"]:
+            found.append("embedding_only_stage")
+        if flexible.grid[-1][-1] == ["L"]:
+            found.append("loss_only_stage")
     return found
 
 
@@ -113,7 +126,14 @@ def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
 def generator_classes(scenario: Scenario) -> set[str]:
     """The `GENERATOR_CLASSES` one scenario belongs to."""
     found: set[str] = set()
-    world = scenario.setup.world
+    setup = scenario.setup
+    world = setup.world
+    uses_layout = any(
+        isinstance(call, MoeCall | MtpCall) for step in scenario.steps for call in step.calls
+    )
+    flexible = setup.pipeline_layout
+    if uses_layout and flexible is not None:
+        found.add("virtual_pipeline" if flexible.vpp > 1 else "flexible_layout")
     if world.dp >= 3 or world.tp * world.dp > 2 or world.ep > 1 or world.world_size > 8:
         found.add("wide_world")
     return found

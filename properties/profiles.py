@@ -76,6 +76,8 @@ class Profile:
     max_steps: int = 3
     max_microbatches: int = 3
     max_layers_per_stage: int = 3
+    max_vpp: int = 2
+    """Most chunks per pipeline rank of a generated virtual pipeline."""
     deadline_s: float = 20.0
     """Per-example deadline enforced by the simulator (Hypothesis's own deadline is off)."""
     shrink_budget_s: float = 60.0
@@ -125,6 +127,7 @@ PROFILES: dict[str, Profile] = {
         max_steps=4,
         max_microbatches=4,
         max_layers_per_stage=4,
+        max_vpp=3,
         deadline_s=60.0,
         shrink_budget_s=300.0,
         max_ranks=24,

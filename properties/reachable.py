@@ -95,7 +95,7 @@ def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
 def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) -> list[str]:
     """How ``snapshot``'s MTP tracker breaks the model (empty: Megatron can record it)."""
     layout = setup.layout
-    holds = bool(setup.mtp_layers_on_stage(place.pp_rank))
+    holds = setup.records_mtp_loss(place.pp_rank)
     mtp = snapshot.mtp
     if mtp is None or not holds:
         return [] if (mtp is None) == (not holds) else [f"rank {place.rank}: MTP tracker {mtp}"]

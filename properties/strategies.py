@@ -1,6 +1,6 @@
 """Hypothesis strategies for the conformance suite, composed from small named pieces.
 
-Pieces: `world_shapes`, `splits`, `moe_patterns`, `routing_configs`, `layouts`,
+Pieces: `world_shapes`, `splits`, `layer_layouts`, `moe_patterns`, `routing_configs`, `layouts`,
 `setups`, `loss_scales`, `synthetic_records` (re-exported from `pipemetrics.properties.synthetic`),
 and the broadcast pieces `dtypes`, `tensor_shapes`, `valid_buffer`, `invalid_buffer`.
 Scenario strategies (one per property family) put them together: `moe_scenarios`,
@@ -31,6 +31,7 @@ from pipemetrics.sim.layout import (
     EvenSplit,
     ExplicitSplit,
     FirstLastSplit,
+    LayoutSplit,
     ModelLayout,
     RoutingType,
     Setup,
@@ -44,6 +45,7 @@ __all__ = [
     "broadcast_scenarios",
     "dtypes",
     "invalid_buffer",
+    "layer_layouts",
     "layouts",
     "loss_scales",
     "moe_call",
@@ -78,10 +80,27 @@ def world_shapes(profile: Profile, *, min_size: int = 1) -> st.SearchStrategy[Wo
 
 
 @st.composite
-def splits(draw: st.DrawFn, pp: int, max_per_stage: int = 3) -> tuple[int, StageSplit]:
-    """(num_layers, split): even, explicit (uneven, one-layer and empty stages) or first/last."""
+def splits(
+    draw: st.DrawFn,
+    pp: int,
+    max_per_stage: int = 3,
+    *,
+    mtp_num_layers: int = 0,
+    flexible: bool = False,
+    max_vpp: int = 1,
+) -> tuple[int, StageSplit]:
+    """(num_layers, split): even, explicit (uneven, one-layer and empty stages) or first/last;
+    for pp > 1 also Megatron's flexible layouts (``flexible``) and virtual pipelines
+    (``max_vpp`` > 1), see `layer_layouts`."""
     kinds = ["even", "explicit"] + (["first_last"] if pp > 1 else [])
+    kinds += ["layout"] if pp > 1 and flexible else []
+    kinds += ["virtual"] if pp > 1 and max_vpp > 1 else []
     kind = draw(st.sampled_from(kinds))
+    if kind == "layout":
+        return draw(layer_layouts(pp, 1, max_per_stage, mtp_num_layers))
+    if kind == "virtual":
+        vpp = draw(st.integers(2, max_vpp))
+        return draw(layer_layouts(pp, vpp, max_per_stage, mtp_num_layers))
     if kind == "even":
         per_stage = draw(st.integers(1, max_per_stage))
         return per_stage * pp, EvenSplit()
@@ -97,6 +116,30 @@ def splits(draw: st.DrawFn, pp: int, max_per_stage: int = 3) -> tuple[int, Stage
     if total == 0:
         first, total = 1, 1
     return total, FirstLastSplit(first=first, last=last)
+
+
+@st.composite
+def layer_layouts(
+    draw: st.DrawFn, pp: int, vpp: int, max_per_stage: int, mtp_num_layers: int
+) -> tuple[int, LayoutSplit]:
+    """A ``pipeline_model_parallel_layout`` Megatron accepts for ``pp`` ranks of ``vpp``
+    chunks: any number of decoder layers per virtual stage (embedding-only first stage,
+    loss-only last stage, stages without decoders), the MTP layers in the last chunk of any
+    pipeline rank (standalone when that is not the last rank) with no decoder after them."""
+    count = pp * vpp
+    decoders = draw(st.lists(st.integers(0, max_per_stage), min_size=count, max_size=count))
+    mtp_at = None
+    if mtp_num_layers:
+        mtp_at = (vpp - 1) * pp + draw(st.integers(0, pp - 1).map(lambda p: pp - 1 - p))
+        decoders[mtp_at + 1 :] = [0] * (count - mtp_at - 1)
+    if sum(decoders) == 0:
+        decoders[0] = 1
+    stages = ["t" * n for n in decoders]
+    if mtp_at is not None:
+        stages[mtp_at] += "m" * mtp_num_layers
+    stages[0] = "E" + stages[0]
+    stages[-1] += "L"
+    return sum(decoders), LayoutSplit(layout="|".join(stages))
 
 
 @st.composite
@@ -147,15 +190,21 @@ def layouts(
     min_mtp: int = 0,
     max_mtp: int = 2,
     routing: st.SearchStrategy[dict[str, object]] | None = None,
+    flexible: bool = False,
+    max_vpp: int = 1,
 ) -> ModelLayout:
-    """A model layout for ``pp`` stages (stages without MoE, MTP on the last stage, ...)."""
-    num_layers, split = draw(splits(pp, max_per_stage))
+    """A model layout for ``pp`` stages (stages without MoE, MTP on the last stage or, in a
+    flexible layout, standalone on another, virtual pipeline chunks, ...)."""
+    mtp_num_layers = draw(st.integers(min_mtp, max_mtp))
+    num_layers, split = draw(
+        splits(pp, max_per_stage, mtp_num_layers=mtp_num_layers, flexible=flexible, max_vpp=max_vpp)
+    )
     config = draw(routing if routing is not None else routing_configs())
     return ModelLayout(
         num_layers=num_layers,
         split=split,
         moe_layer_freq=draw(moe_patterns(num_layers)),
-        mtp_num_layers=draw(st.integers(min_mtp, max_mtp)),
+        mtp_num_layers=mtp_num_layers,
         mtp_is_moe=draw(st.booleans()),
         microbatches=draw(st.integers(1, max_microbatches)),
         **config,
@@ -179,6 +228,8 @@ def setups(
             max_microbatches=profile.max_microbatches,
             min_mtp=min_mtp,
             routing=routing,
+            flexible=profile.generates("flexible_layout"),
+            max_vpp=profile.max_vpp if profile.generates("virtual_pipeline") else 1,
         )
     )
     return Setup(world=world, layout=layout)

@@ -112,7 +112,7 @@ def synthetic_records(
         records = draw(_rank_moe_records(setup, stage, values))
         if records:
             moe[rank] = records
-        if setup.mtp_layers_on_stage(stage):
+        if setup.records_mtp_loss(stage):
             tp_root = min(place.groups["tp"])
             mtp[rank] = mtp[tp_root] if tp_root in mtp else draw(_mtp_records(setup))
     return StepRecords(moe=moe, mtp=mtp)

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout
+
 RoutingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
 AUX_LOSS_TYPES: tuple[RoutingType, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 TRACK_NAME_OF: dict[str, str] = {
@@ -85,7 +87,20 @@ class ExplicitSplit(Frozen):
     layers: list[Annotated[int, Field(ge=0)]]
 
 
-StageSplit = Annotated[EvenSplit | FirstLastSplit | ExplicitSplit, Field(discriminator="kind")]
+class LayoutSplit(Frozen):
+    """Megatron's ``pipeline_model_parallel_layout``: a layout string such as ``"Et|tt|m|L"``,
+    one ``|``-separated virtual stage per entry (``len / pp`` chunks per pipeline rank: the
+    interleaved schedule when more than one), embedding and loss placed explicitly, stages
+    without decoder layers, MTP possibly on a stage that is not the last (see
+    `pipemetrics.sim.pipeline_layout`)."""
+
+    kind: Literal["layout"] = "layout"
+    layout: str
+
+
+StageSplit = Annotated[
+    EvenSplit | FirstLastSplit | ExplicitSplit | LayoutSplit, Field(discriminator="kind")
+]
 
 
 class ModelLayout(Frozen):
@@ -182,12 +197,50 @@ class Setup(Frozen):
 
     @model_validator(mode="after")
     def _layout_fits_world(self) -> Setup:
-        self.layers_per_stage  # noqa: B018  (computing it validates the split)
+        self.stage_chunks  # noqa: B018  (computing it validates the split)
         return self
 
     @cached_property
+    def pipeline_layout(self) -> PipelineLayout | None:
+        """The flexible layout of a `LayoutSplit`, validated as Megatron validates it."""
+        split = self.layout.split
+        if not isinstance(split, LayoutSplit):
+            return None
+        try:
+            return PipelineLayout(
+                split.layout, self.world.pp, self.layout.num_layers, self.layout.mtp_num_layers
+            )
+        except LayoutError as exc:
+            raise ValueError(
+                f"split.layout: {split.layout!r} for pp={self.world.pp}: {exc}"
+            ) from None
+
+    @cached_property
+    def stage_chunks(self) -> list[list[tuple[int, ...]]]:
+        """Per pipeline stage, the 1-based global decoder layer numbers of each of its chunks
+        (one chunk per stage unless the layout has virtual stages)."""
+        flexible = self.pipeline_layout
+        if flexible is not None:
+            return [[c.decoder_numbers for c in row] for row in flexible.chunks]
+        chunks = []
+        start = 0
+        for size in self._contiguous_sizes():
+            chunks.append([tuple(range(start + 1, start + size + 1))])
+            start += size
+        return chunks
+
+    @property
+    def vpp(self) -> int:
+        """Chunks per pipeline stage (the virtual pipeline size; 1 without one)."""
+        return len(self.stage_chunks[0])
+
+    @property
     def layers_per_stage(self) -> list[int]:
         """Number of main transformer layers on each pipeline stage."""
+        return [sum(len(chunk) for chunk in row) for row in self.stage_chunks]
+
+    def _contiguous_sizes(self) -> list[int]:
+        """Layer counts per stage of the even, first/last and explicit splits."""
         pp, n, split = self.world.pp, self.layout.num_layers, self.layout.split
         if isinstance(split, EvenSplit):
             if n < pp:
@@ -210,6 +263,7 @@ class Setup(Frozen):
                     f"split.layers: stage sizes sum to {sum(split.layers)}, num_layers is {n}"
                 )
             return list(split.layers)
+        assert isinstance(split, FirstLastSplit)  # a LayoutSplit never gets here
         first = split.first
         last = split.last
         if pp == 1 and (first is not None or last is not None):
@@ -239,19 +293,36 @@ class Setup(Frozen):
         return sizes
 
     def stage_layer_numbers(self, stage: int) -> list[int]:
-        """1-based global numbers of the main layers on pipeline stage ``stage``."""
-        start = sum(self.layers_per_stage[:stage])
-        return list(range(start + 1, start + self.layers_per_stage[stage] + 1))
+        """1-based global numbers of the main layers on pipeline stage ``stage``, chunk by
+        chunk (not contiguous with virtual stages)."""
+        return [n for chunk in self.stage_chunks[stage] for n in chunk]
 
     def moe_layers_on_stage(self, stage: int) -> list[int]:
         """1-based global numbers of the main MoE layers on ``stage``."""
         return [n for n in self.stage_layer_numbers(stage) if self.layout.is_moe_layer(n)]
 
+    @property
+    def mtp_stage(self) -> int:
+        """The pipeline stage holding the MTP layers: the last one, or where a flexible layout
+        puts them (``mtp_standalone`` in Megatron when that is not the last)."""
+        flexible = self.pipeline_layout
+        if flexible is not None and flexible.mtp_stage is not None:
+            return flexible.mtp_stage
+        return self.world.pp - 1
+
     def mtp_layers_on_stage(self, stage: int) -> list[int]:
-        """1-based MTP layer numbers on ``stage`` (all on the last stage)."""
-        if stage != self.world.pp - 1:
+        """1-based MTP layer numbers on ``stage`` (their routers record there)."""
+        if stage != self.mtp_stage:
             return []
         return list(range(1, self.layout.mtp_num_layers + 1))
+
+    def records_mtp_loss(self, stage: int) -> bool:
+        """Whether ``MTPLossLoggingHelper``'s tracker is filled on ``stage``: the last stage,
+        wherever the MTP layers are. megatron-core computes and records the MTP loss in
+        ``process_mtp_loss``, called from ``GPTModel._postprocess`` only where
+        ``post_process`` holds (the stage with the loss layer, always the last); a standalone
+        MTP stage only runs the MTP layers (and their routers) and returns hidden states."""
+        return stage == self.world.pp - 1 and self.layout.mtp_num_layers > 0
 
     def router_slots(self, stage: int) -> list[int]:
         """1-based tracker slots the routers of ``stage`` record into, in forward order: the main

@@ -62,14 +62,31 @@ def _clip(text: str, width: int = MAX_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _stage_cells(setup: Setup, stage: int) -> list[tuple[str, int]]:
-    """(kind letter, layer number) for every layer of ``stage``, MTP layers last."""
-    cells = [
-        ("M" if setup.layout.is_moe_layer(n) else "D", n) for n in setup.stage_layer_numbers(stage)
-    ]
-    mtp = "T" if setup.layout.mtp_is_moe else "t"
-    cells += [(mtp, k) for k in setup.mtp_layers_on_stage(stage)]
+def _chunk_cells(setup: Setup, stage: int, chunk: int) -> list[tuple[str, int]]:
+    """(kind letter, layer number) for every layer of one chunk of ``stage``, MTP layers last."""
+    numbers = setup.stage_chunks[stage][chunk]
+    cells = [("M" if setup.layout.is_moe_layer(n) else "D", n) for n in numbers]
+    if chunk == setup.vpp - 1:
+        mtp = "T" if setup.layout.mtp_is_moe else "t"
+        cells += [(mtp, k) for k in setup.mtp_layers_on_stage(stage)]
     return cells
+
+
+def _stage_layers(setup: Setup, stage: int, width: int) -> str:
+    """The layers of ``stage``; with virtual pipeline chunks, ``chunk / chunk``; a flexible
+    layout's embedding-only or loss-only place is marked ``E`` / ``L``."""
+    flexible = setup.pipeline_layout
+    texts = []
+    for chunk in range(setup.vpp):
+        text = _stage_text(_chunk_cells(setup, stage, chunk), width)
+        if flexible is not None:
+            layers = flexible.grid[stage][chunk]
+            if not any(c in layers for c in "tm"):
+                text = " ".join(c for c in layers) or "(empty)"
+            else:
+                text = ("E " if "E" in layers else "") + text + (" L" if "L" in layers else "")
+        texts.append(text)
+    return " / ".join(texts)
 
 
 def _stage_text(cells: list[tuple[str, int]], width: int) -> str:
@@ -91,9 +108,7 @@ def _stage_text(cells: list[tuple[str, int]], width: int) -> str:
 def _stage_rows(setup: Setup, places: dict[int, RankPlace]) -> list[str]:
     pp = setup.world.pp
     stage_width = max(24, MAX_WIDTH - 48)
-    texts = [
-        _clip(_stage_text(_stage_cells(setup, s), stage_width), stage_width) for s in range(pp)
-    ]
+    texts = [_clip(_stage_layers(setup, s, stage_width), stage_width) for s in range(pp)]
     pad = max(len(t) for t in texts)
     label = len(str(pp - 1))
     rows = []
@@ -183,10 +198,19 @@ def layout_picture(
     """
     world, layout = setup.world, setup.layout
     mtp = f" + {layout.mtp_num_layers} MTP" if layout.mtp_num_layers else ""
+    flexible = setup.pipeline_layout
     lines = [
         f"model: {layout.num_layers} layers{mtp} over pp {world.pp} (tp {world.tp}, "
         f"cp {world.cp}, dp {world.dp}, ep {world.ep}; {world.world_size} ranks, "
         f"{world.backend})",
+    ]
+    if flexible is not None:
+        chunks = ", / between chunks" if flexible.vpp > 1 else ""
+        lines.append(
+            f"pipeline_model_parallel_layout {flexible.text!r} "
+            f"(vpp {flexible.vpp}; E embedding, L loss{chunks})"
+        )
+    lines += [
         f"stages ({LEGEND}):",
         *_stage_rows(setup, places),
         "ranks (coordinates | members of the groups the metrics reduce over):",

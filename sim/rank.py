@@ -18,7 +18,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
@@ -36,7 +37,7 @@ from pipemetrics.sim.calls import (
     TrackNamesCall,
 )
 from pipemetrics.sim.interpose import Interposer
-from pipemetrics.sim.layout import Setup, WorldSpec
+from pipemetrics.sim.layout import LayoutSplit, Setup, WorldSpec
 from pipemetrics.sim.protocol import (
     Abort,
     Call,
@@ -153,15 +154,18 @@ class RankServer:
                 target = load_target(scenario.target)
             except TargetLoadError as exc:
                 return Done(rank=self.rank, reports=[], load_error=_error(exc))
-            fill = self._filler(scenario)
-            totals: dict[str, Any] = {}
-            for step_index, step in enumerate(scenario.steps):
-                fill(step_index, step)
-                for call_index, spec in enumerate(step.calls):
-                    report = self._invoke(target, scenario, spec, step_index, call_index, totals)
-                    reports.append(report)
-                    if report.error is not None:
-                        return Done(rank=self.rank, reports=reports)
+            with megatron_pipeline_layout(scenario.setup, self.place.pp_rank):
+                fill = self._filler(scenario)
+                totals: dict[str, Any] = {}
+                for step_index, step in enumerate(scenario.steps):
+                    fill(step_index, step)
+                    for call_index, spec in enumerate(step.calls):
+                        report = self._invoke(
+                            target, scenario, spec, step_index, call_index, totals
+                        )
+                        reports.append(report)
+                        if report.error is not None:
+                            return Done(rank=self.rank, reports=reports)
         except SimAbort:
             return Done(rank=self.rank, reports=reports, aborted=True)
         except BaseException as exc:  # a harness fault must reach the controller, not kill us
@@ -292,6 +296,57 @@ class RankServer:
             return function(arguments["model_config"])
         assert isinstance(spec, RoundUpCall)
         return function(arguments["value"], arguments["multiple"])
+
+
+@contextmanager
+def megatron_pipeline_layout(setup: Setup, pp_rank: int) -> Iterator[None]:
+    """Megatron's virtual pipeline state for the scenario, restored afterwards.
+
+    With virtual stages (``setup.vpp > 1``) ``parallel_state`` holds what
+    ``initialize_model_parallel(virtual_pipeline_model_parallel_size=vpp)`` sets: the virtual
+    world size ``vpp`` and the virtual rank 0 (megatron-core 0.19 never moves it: its schedules
+    pass ``vp_stage`` explicitly). For a flexible layout, the decoder layers ``setup`` says this
+    rank holds are held to what megatron-core's own ``PipelineParallelLayerLayout.
+    get_layer_id_list`` gives (the controller computes them without megatron:
+    `pipemetrics.sim.pipeline_layout`); a disagreement is a harness fault, raised before
+    anything is recorded.
+    """
+    from megatron.core import parallel_state
+
+    names = ("_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK")
+    before = [getattr(parallel_state, name) for name in names]
+    try:
+        if setup.vpp > 1:
+            for name, value in zip(names, (setup.vpp, 0), strict=True):
+                setattr(parallel_state, name, value)
+        _check_layers_with_megatron(setup, pp_rank)
+        yield
+    finally:
+        for name, value in zip(names, before, strict=True):
+            setattr(parallel_state, name, value)
+
+
+def _check_layers_with_megatron(setup: Setup, pp_rank: int) -> None:
+    split = setup.layout.split
+    if not isinstance(split, LayoutSplit):
+        return
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    layout = PipelineParallelLayerLayout(split.layout, setup.world.pp)
+    layout.validate_layer_layout(setup.layout.num_layers, setup.layout.mtp_num_layers)
+    megatron = [
+        tuple(n + 1 for n in layout.get_layer_id_list(LayerType.decoder, v, pp_rank))
+        for v in range(layout.virtual_pipeline_model_parallel_size)
+    ]
+    ours = setup.stage_chunks[pp_rank]
+    if megatron != ours:
+        raise RuntimeError(
+            f"pipeline rank {pp_rank}: megatron-core's layout {split.layout!r} gives decoder "
+            f"layers {megatron} per chunk, pipemetrics computed {ours}"
+        )
 
 
 def _error(exc: BaseException) -> CallError:

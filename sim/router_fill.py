@@ -195,8 +195,8 @@ class RouterStage:
 
     @property
     def records_mtp(self) -> bool:
-        """Whether `record_mtp` records anything on this stage (last stage, MTP layers > 0)."""
-        return bool(self.setup.mtp_layers_on_stage(self.stage))
+        """Whether `record_mtp` records anything on this stage (the last stage, MTP layers > 0)."""
+        return self.setup.records_mtp_loss(self.stage)
 
     def forward_microbatch(self, microbatch: int, step: int = 0) -> None:
         """One training-mode forward (grad enabled) of every router of the stage, in order.

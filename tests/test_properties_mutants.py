@@ -39,6 +39,10 @@ MORE_EXAMPLES: dict[str, int] = {
     # between the data-parallel ranks: about 2% of the dev profile's examples (first found at
     # example 53 with --seed 0; a fresh draw misses it in 300 examples with about 0.2%).
     "moe_placeholder_skips_dp_avg": 300,
+    # a flexible or virtual layout with the MoE MTP layer standalone and a live name: about 3%
+    # of the dev profile's moe.values examples, fewer among the first (small) ones; found
+    # before example 200 with --seed 0.
+    "moe_mtp_slots_only_on_last_stage": 300,
 }
 
 
@@ -69,6 +73,33 @@ def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) 
             assert HINTS[name] in entry["message"], entry["message"]
         else:  # a hint is printed only when an exact recomputation explains the value
             assert "(loss_scale " not in entry["message"], entry["message"]
+
+
+@pytest.mark.parametrize(
+    "name", sorted(name for name, mutant in MUTANTS.items() if mutant.caught_by_classes)
+)
+def test_the_generators_before_its_class_miss_the_mutant(
+    tmp_path: Path, bounds: Bounds, name: str
+) -> None:
+    """Proof that a generator class matters: with the classes that expose the mutant left out
+    (``--without-class``), the same run (seed, examples) passes it; test_mutant_fails_its_
+    properties shows that it fails with them."""
+    mutant = MUTANTS[name]
+    path = write_mutant(name, tmp_path / "mutants")
+    without = [arg for cls in mutant.caught_by_classes for arg in ("--without-class", cls)]
+    code, data, output = check(
+        tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
+        "--hypothesis-profile", "dev",
+        "--max-examples", str(MORE_EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
+        *without, bounds=bounds,
+    )  # fmt: skip
+    assert data is not None, output
+    assert code == 0, output
+    assert {p["id"]: p["status"] for p in data["properties"]} == dict.fromkeys(
+        mutant.fails, "pass"
+    ), output
+    generated = data["coverage"]["classes"]
+    assert not set(generated) & set(mutant.caught_by_classes), generated
 
 
 #: The diagnosis a mutant's failure must carry (every other mutant's must carry none).

@@ -19,6 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
+from pipemetrics.properties.profiles import GENERATOR_CLASSES
+
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "reference" / "megatron_common.py"
 
 SEED_FUNCTIONS: frozenset[str] = frozenset(
@@ -84,6 +86,10 @@ class Mutant(BaseModel):
     profile: Literal["seed", "megatron", "strict"] = "seed"
     """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
     document leaves open and only the reference promises)."""
+    caught_by_classes: tuple[str, ...] = ()
+    """The generator classes (`GENERATOR_CLASSES`) that expose this bug: the check must pass
+    with ``--without-class`` each of them (the generators before those classes miss it) and fail
+    without."""
 
     @field_validator("name")
     @classmethod
@@ -110,6 +116,14 @@ class Mutant(BaseModel):
             raise ValueError(f"unknown conformance property IDs {unknown}")
         return value
 
+    @field_validator("caught_by_classes")
+    @classmethod
+    def _known_classes(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(value) - set(GENERATOR_CLASSES))
+        if unknown:
+            raise ValueError(f"unknown generator classes {unknown}")
+        return value
+
     @field_validator("functions")
     @classmethod
     def _seed_functions(cls, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -120,6 +134,58 @@ class Mutant(BaseModel):
 
 
 _MUTANTS: list[Mutant] = [
+    Mutant(
+        name="moe_mtp_slots_only_on_last_stage",
+        description=(
+            "get_moe_metrics zeroes the MTP layers' tracker slots on every stage but the last "
+            "before the reduction ('the MTP layers live on the last stage; drop stale values'). "
+            "Harmless while they do; with a flexible layout that places the MTP layers "
+            "standalone on an earlier stage (Megatron's mtp_standalone, e.g. 'Et|tm|L'), the "
+            "MoE losses of the MTP layers' routers are lost (a virtual pipeline can place them "
+            "so too: the last chunk of an earlier rank). Scenario: pp=3, MoE MTP layer on "
+            "stage 1, a live aux loss."
+        ),
+        edits=(
+            (
+                "    if distributed:\n        tracker._sync_metrics(sorted(lengths))\n",
+                "    if distributed:\n"
+                "        if mtp_num_layers and not parallel_state.is_pipeline_last_stage():\n"
+                "            for name in lengths:  # the MTP layers live on the last stage\n"
+                "                tracker.metrics[name].values[-mtp_num_layers:] = 0\n"
+                "        tracker._sync_metrics(sorted(lengths))\n",
+            ),
+        ),
+        fails=("moe.values",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("flexible_layout", "virtual_pipeline"),
+    ),
+    Mutant(
+        name="mtp_gated_on_virtual_last_stage",
+        description=(
+            "get_mtp_metrics returns {} unless parallel_state.is_pipeline_last_stage("
+            "ignore_virtual=False, vp_stage=get_virtual_pipeline_model_parallel_rank()) (code "
+            "from releases whose default was ignore_virtual=False). Right without a virtual "
+            "pipeline; with one, initialize_model_parallel leaves the virtual rank at 0 and "
+            "megatron-core 0.19's schedules never move it, so the last stage is never the "
+            "'virtual last stage' and the MTP metrics vanish. Scenario: pp=2, vpp=2, MTP."
+        ),
+        edits=(
+            (
+                "    tracker = MTPLossLoggingHelper.tracker\n",
+                "    if not parallel_state.is_pipeline_last_stage(\n"
+                "        ignore_virtual=False,\n"
+                "        vp_stage=parallel_state.get_virtual_pipeline_model_parallel_rank(),\n"
+                "    ):  # only the last pipeline stage computes the MTP loss\n"
+                "        return {}\n"
+                "    tracker = MTPLossLoggingHelper.tracker\n",
+            ),
+        ),
+        fails=("mtp.keys",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("virtual_pipeline",),
+    ),
     Mutant(
         name="moe_empty_stage_returns_early",
         description=(

@@ -1,0 +1,153 @@
+"""`pipemetrics.sim.pipeline_layout` against megatron-core's own ``PipelineParallelLayerLayout``.
+
+Covered, not sampled: every layout of up to four virtual stages over a fixed alphabet of stage
+contents (embedding, decoder, MTP and loss in the combinations that matter, and wrong ones), for
+every pipeline size dividing the stage count, with the matching layer counts and with counts off
+by one. Both sides must accept or refuse alike, with the same message, and an accepted layout
+must give every (pipeline rank, chunk) the same global decoder layers and the same
+``mtp_standalone``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import product
+from typing import Any
+
+import pytest
+
+from pipemetrics.sim.layout import LayoutSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_layout
+
+STAGE_CONTENTS = ("", "E", "t", "tt", "m", "L", "Et", "tm", "tL", "mL", "Etm", "mt", "LE", "EtL")
+"""Stage contents: valid pieces and out-of-order ones (``mt``, ``LE``)."""
+MAX_STAGES = 4
+
+
+def layouts() -> Iterator[tuple[str, int]]:
+    """(layout text, pp) for every stage list up to `MAX_STAGES` and every pp dividing it."""
+    for count in range(1, MAX_STAGES + 1):
+        for stages in product(STAGE_CONTENTS, repeat=count):
+            text = "|".join(stages)
+            for pp in range(1, count + 1):
+                if count % pp == 0:
+                    yield text, pp
+
+
+@pytest.fixture
+def megatron_layout() -> Iterator[Any]:
+    """megatron-core's class, with the virtual pipeline size Megatron reads from parallel_state
+    set for each check and restored afterwards."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import pipeline_parallel_layer_layout as module
+
+    before = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    yield module.PipelineParallelLayerLayout, parallel_state
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(before)
+
+
+def megatron_outcome(cls: Any, parallel_state: Any, text: str, pp: int, n: int, m: int) -> Any:
+    from megatron.core.transformer.enums import LayerType
+
+    try:
+        layout = cls(text, pp)
+        standalone = layout.validate_layer_layout(n, m)
+    except AssertionError as exc:
+        return ("refused", str(exc))
+    vpp = layout.virtual_pipeline_model_parallel_size
+    parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
+    chunks = [
+        [
+            tuple(i + 1 for i in layout.get_layer_id_list(LayerType.decoder, vp_stage=v, pp_rank=p))
+            for v in range(vpp)
+        ]
+        for p in range(pp)
+    ]
+    return ("accepted", chunks, standalone)
+
+
+def our_outcome(text: str, pp: int, n: int, m: int) -> Any:
+    try:
+        layout = PipelineLayout(text, pp, n, m)
+    except LayoutError as exc:
+        return ("refused", str(exc))
+    chunks = [[c.decoder_numbers for c in row] for row in layout.chunks]
+    return ("accepted", chunks, layout.mtp_standalone)
+
+
+def test_every_small_layout_agrees_with_megatron(megatron_layout: Any) -> None:
+    cls, parallel_state = megatron_layout
+    checked = accepted = 0
+    for text, pp in layouts():
+        flat = "".join(text.split("|"))
+        for n, m in {(flat.count("t"), flat.count("m")), (flat.count("t") + 1, flat.count("m"))}:
+            if flat == "":
+                continue  # Megatron indexes the first layer of an empty layout (IndexError)
+            theirs = megatron_outcome(cls, parallel_state, text, pp, n, m)
+            assert our_outcome(text, pp, n, m) == theirs, (text, pp, n, m)
+            checked += 1
+            accepted += theirs[0] == "accepted"
+    assert checked > 200_000 and accepted > 400, (checked, accepted)
+
+
+@pytest.mark.parametrize(
+    ("text", "stages"),
+    [
+        ("Ettt|(tt|)*2,m|L", [["E", "t", "t", "t"], ["t", "t"], ["t", "t"], ["m"], ["L"]]),
+        ("Et*2|t,L", [["E", "t", "t"], ["t", "L"]]),
+    ],
+)
+def test_repeats_and_commas_parse_as_megatron_parses_them(
+    megatron_layout: Any, text: str, stages: list[list[str]]
+) -> None:
+    cls, _ = megatron_layout
+    theirs = cls.parse_str_to_list(text)
+    assert [[t.name for t in s] for s in theirs] == [[{"E": "embedding", "t": "decoder",
+        "m": "mtp", "L": "loss"}[c] for c in s] for s in stages]  # fmt: skip
+    assert parse_layout(text) == stages
+
+
+def test_an_unknown_character_is_refused_naming_it() -> None:
+    with pytest.raises(LayoutError, match="Invalid layer character: x"):
+        parse_layout("Et|x|L")
+
+
+def test_setup_refuses_a_layout_naming_the_field_and_megatrons_rule() -> None:
+    with pytest.raises(ValueError, match=r"split\.layout: 'Et\|tt\|L' for pp=2: .*divisible"):
+        Setup(
+            world=WorldSpec(pp=2),
+            layout=ModelLayout(num_layers=3, split=LayoutSplit(layout="Et|tt|L")),
+        )
+    with pytest.raises(ValueError, match="decoder layers must be placed before MTP layers"):
+        Setup(
+            world=WorldSpec(pp=2),
+            layout=ModelLayout(
+                num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Etm|tL")
+            ),
+        )
+
+
+def test_virtual_stages_give_each_rank_non_contiguous_chunks() -> None:
+    setup = Setup(
+        world=WorldSpec(pp=2),
+        layout=ModelLayout(
+            num_layers=5, mtp_num_layers=1, split=LayoutSplit(layout="Et|tt|t|t,mL")
+        ),
+    )
+    # virtual stage v * pp + p is chunk v of rank p: rank 0 holds stages 0 and 2, rank 1 1 and 3
+    assert setup.vpp == 2
+    assert setup.stage_chunks == [[(1,), (4,)], [(2, 3), (5,)]]
+    assert setup.layers_per_stage == [2, 3]
+    assert setup.stage_layer_numbers(0) == [1, 4]
+    assert setup.mtp_stage == 1 and setup.records_mtp_loss(1)
+
+
+def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() -> None:
+    setup = Setup(
+        world=WorldSpec(pp=3),
+        layout=ModelLayout(num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Et|tm|L")),
+    )
+    assert setup.mtp_stage == 1 and setup.mtp_layers_on_stage(1) == [1]
+    assert setup.router_slots(1) == [2, 3]  # the MTP layer's router: slot num_layers + 1
+    assert [setup.records_mtp_loss(s) for s in range(3)] == [False, False, True]
+    assert not setup.records_moe(2)  # the loss-only stage holds no router
