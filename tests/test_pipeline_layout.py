@@ -121,9 +121,7 @@ def test_setup_refuses_a_layout_naming_the_field_and_megatrons_rule() -> None:
     with pytest.raises(ValueError, match="decoder layers must be placed before MTP layers"):
         Setup(
             world=WorldSpec(pp=2),
-            layout=ModelLayout(
-                num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Etm|tL")
-            ),
+            layout=ModelLayout(num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Etm|tL")),
         )
 
 
