@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from pipemetrics.properties.profiles import GENERATOR_CLASSES
+from pipemetrics.properties.profiles import GENERATOR_CLASSES, is_wide
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.layout import EvenSplit, Setup
 from pipemetrics.sim.scenario import Scenario
@@ -134,7 +134,7 @@ def generator_classes(scenario: Scenario) -> set[str]:
     flexible = setup.pipeline_layout
     if uses_layout and flexible is not None:
         found.add("virtual_pipeline" if flexible.vpp > 1 else "flexible_layout")
-    if world.dp >= 3 or world.tp * world.dp > 2 or world.ep > 1 or world.world_size > 8:
+    if is_wide(world):
         found.add("wide_world")
     return found
 

@@ -52,9 +52,25 @@ SMALL_SHAPES: tuple[WorldSpec, ...] = (
 )
 """World size <= 4, ordered so that shrinking moves towards the smallest world."""
 
+
+def is_wide(world: WorldSpec) -> bool:
+    """Whether ``world`` belongs to the ``wide_world`` generator class: dp >= 3, tp x dp > 2,
+    expert parallelism, or more than 8 ranks."""
+    return world.dp >= 3 or world.tp * world.dp > 2 or world.ep > 1 or world.world_size > 8
+
+
+WIDE_SHAPES: tuple[WorldSpec, ...] = (
+    _shape(dp=2, ep=2),
+    _shape(dp=3),
+    _shape(tp=2, dp=2),
+    _shape(pp=2, dp=2, ep=2),
+    _shape(pp=2, dp=3),
+)
+"""The ``ci`` profile's wide shapes: ep = 2, dp = 3, tp x dp = 4; at most 6 ranks."""
+
 LARGE_SHAPES: tuple[WorldSpec, ...] = (
     *SMALL_SHAPES,
-    _shape(dp=2, ep=2),
+    *WIDE_SHAPES,
     _shape(pp=5),
     _shape(pp=3, dp=2),
     _shape(pp=7),
@@ -62,8 +78,14 @@ LARGE_SHAPES: tuple[WorldSpec, ...] = (
     _shape(pp=2, cp=2, dp=2, ep=2),
     _shape(pp=4, dp=2),
     _shape(pp=8),
+    _shape(dp=4, ep=4),
+    _shape(pp=2, dp=4, ep=2),
+    _shape(tp=4, pp=2),
+    _shape(pp=2, cp=4),
+    _shape(tp=2, dp=4),
+    _shape(tp=2, cp=2, dp=2, ep=2),
 )
-"""World sizes 1..8, for the ``thorough`` profile."""
+"""World sizes 1..8, for the ``thorough`` profile: dp, tp and cp up to 4."""
 
 
 @dataclass(frozen=True)
@@ -112,14 +134,14 @@ PROFILES: dict[str, Profile] = {
     "dev": Profile(
         "dev",
         max_examples=10,
-        shapes=SMALL_SHAPES[:5],
+        shapes=(*SMALL_SHAPES[:5], WIDE_SHAPES[0]),
         max_steps=2,
         max_microbatches=2,
         max_layers_per_stage=2,
         deadline_s=15.0,
         shrink_budget_s=20.0,
     ),
-    "ci": Profile("ci", max_examples=150, shapes=SMALL_SHAPES, shrink_budget_s=45.0),
+    "ci": Profile("ci", max_examples=150, shapes=SMALL_SHAPES + WIDE_SHAPES, shrink_budget_s=45.0),
     "thorough": Profile(
         "thorough",
         max_examples=1000,

@@ -15,7 +15,7 @@ from typing import Literal
 
 from hypothesis import strategies as st
 
-from pipemetrics.properties.profiles import Profile
+from pipemetrics.properties.profiles import Profile, is_wide
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.calls import (
     BroadcastCall,
@@ -71,8 +71,10 @@ Semantic = Literal["seed", "megatron", "strict"]
 
 
 def world_shapes(profile: Profile, *, min_size: int = 1) -> st.SearchStrategy[WorldSpec]:
-    """The profile's fixed list of shapes (live worlds are reused across examples)."""
-    shapes = [s for s in profile.shapes if s.world_size >= min_size]
+    """The profile's fixed list of shapes (live worlds are reused across examples); the wide
+    ones only when the profile generates the ``wide_world`` class."""
+    wide = profile.generates("wide_world")
+    shapes = [s for s in profile.shapes if s.world_size >= min_size and (wide or not is_wide(s))]
     return st.sampled_from(shapes)
 
 

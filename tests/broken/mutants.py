@@ -135,6 +135,37 @@ class Mutant(BaseModel):
 
 _MUTANTS: list[Mutant] = [
     Mutant(
+        name="moe_dp_avg_over_expert_data_group",
+        description=(
+            "get_moe_metrics takes over the data-parallel average of the names that need one "
+            "and runs it over parallel_state's expert data-parallel group (the data-parallel "
+            "replicas of the experts) instead of the data-parallel group. Without expert "
+            "parallelism that group spans the stage's data x context ranks, and since the "
+            "reductions are linear the result is the same; with ep = 2 it holds one rank, so "
+            "the data-parallel ranks report their own values. Scenario: dp=2, ep=2, "
+            "load_balancing_loss differing between the data-parallel ranks."
+        ),
+        edits=(
+            (
+                "    if distributed:\n        tracker._sync_metrics(sorted(lengths))\n",
+                "    if distributed:\n"
+                "        experts_dp = parallel_state.get_expert_data_parallel_group()\n"
+                "        for name in sorted(lengths):  # average over the experts' replicas\n"
+                "            entry = tracker.metrics[name]\n"
+                "            if entry.needs_dp_avg:\n"
+                "                dist.all_reduce(\n"
+                "                    entry.values, group=experts_dp, op=dist.ReduceOp.AVG\n"
+                "                )\n"
+                "                entry.needs_dp_avg = False\n"
+                "        tracker._sync_metrics(sorted(lengths))\n",
+            ),
+        ),
+        fails=("moe.values",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("wide_world",),
+    ),
+    Mutant(
         name="moe_mtp_slots_only_on_last_stage",
         description=(
             "get_moe_metrics zeroes the MTP layers' tracker slots on every stage but the last "
