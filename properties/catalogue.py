@@ -55,6 +55,12 @@ class Property:
     scenarios: ScenarioStrategy
     judge: j.Judge
     profiles: frozenset[Semantic] = EVERY_PROFILE
+    also_calls: tuple[str, ...] = ()
+    """Further API functions its scenarios call (the property is absent without any of them)."""
+
+    @property
+    def functions(self) -> tuple[str, ...]:
+        return (self.function, *self.also_calls)
 
 
 def _moe(**kwargs: object) -> ScenarioStrategy:
@@ -275,6 +281,20 @@ CATALOGUE: tuple[Property, ...] = (
         MEGATRON_CLEARS,
         _mtp(min_steps=2, max_steps=3),
         j.checked(j.mtp_reset),
+    ),
+)
+
+CATALOGUE += (
+    Property(
+        "steps.interleaved",
+        MOE,
+        "over a sequence of training and forward-only steps, get_moe_metrics and "
+        "get_mtp_metrics in either order, some steps calling one or none: no hang, and every "
+        "call returns the oracle's values for what was recorded since the previous call",
+        DOC_PREINIT + " / " + DOC_MTP_RETURNS + "; " + MEGATRON_CLEARS,
+        lambda p, sem: s.interleaved_scenarios(p, sem),
+        j.checked(j.interleaved_values),
+        also_calls=(MTP,),
     ),
 )
 

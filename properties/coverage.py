@@ -123,6 +123,26 @@ def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
     return found
 
 
+def step_program_traits(scenario: Scenario) -> list[str]:
+    """What makes a multi-step scenario a step program rather than the same step repeated."""
+    steps = scenario.steps
+    if len(steps) < 2 or scenario.mode != "synthetic":
+        return []
+    found = []
+    if any(step.records is None for step in steps):
+        found.append("forward_only_step")
+    if any(step.records is None for step in steps[:1]) and any(s.records for s in steps[1:]):
+        found.append("first_records_in_a_later_step")
+    kinds = [tuple(type(call).__name__ for call in step.calls) for step in steps]
+    if any(not k for k in kinds):
+        found.append("step_without_call")
+    if len(set(kinds)) > 1:
+        found.append("calls_differ_between_steps")
+    if any(k[:2] == ("MtpCall", "MoeCall") for k in kinds):
+        found.append("mtp_before_moe")
+    return found
+
+
 def generator_classes(scenario: Scenario) -> set[str]:
     """The `GENERATOR_CLASSES` one scenario belongs to."""
     found: set[str] = set()
@@ -136,6 +156,8 @@ def generator_classes(scenario: Scenario) -> set[str]:
         found.add("virtual_pipeline" if flexible.vpp > 1 else "flexible_layout")
     if is_wide(world):
         found.add("wide_world")
+    if step_program_traits(scenario):
+        found.add("multi_step")
     return found
 
 
@@ -148,6 +170,7 @@ def features(scenario: Scenario) -> list[str]:
         found += layout_features(scenario.setup)
     if len(scenario.steps) > 1:
         found.append("multi_step")
+        found += step_program_traits(scenario)
     if scenario.mode == "router":
         found.append("router_mode")
     for call in calls:

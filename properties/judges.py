@@ -301,15 +301,27 @@ def moe_total_loss_dict(scenario: Scenario, run: WorldRun) -> list[str]:
     return problems
 
 
+def _steps_since_last_call(scenario: Scenario, step: int, kind: type) -> range:
+    """The steps whose records a ``kind`` call of step ``step`` must see: those after the last
+    earlier step with a ``kind`` call (each call clears its tracker; a step without one, or a
+    forward-only step without records, leaves the tracker as it is)."""
+    first = 0
+    for earlier in range(step - 1, -1, -1):
+        if any(isinstance(call, kind) for call in scenario.steps[earlier].calls):
+            first = earlier + 1
+            break
+    return range(first, step + 1)
+
+
 def _recorded_moe(scenario: Scenario, step: int, rank: int) -> dict[str, list[float]]:
-    """Tracker contents of ``rank`` that step ``step``'s records alone produce."""
-    records = scenario.steps[step].records
+    """Tracker contents of ``rank`` that the records since the previous ``get_moe_metrics``
+    call alone produce."""
     slots: dict[str, list[float]] = {}
-    if records is None:
-        return slots
-    for rec in records.moe.get(rank, []):
-        vector = slots.setdefault(rec.name, [0.0] * rec.num_layers)
-        vector[rec.layer_number - 1] += rec.value
+    for index in _steps_since_last_call(scenario, step, MoeCall):
+        records = scenario.steps[index].records
+        for rec in records.moe.get(rank, []) if records is not None else []:
+            vector = slots.setdefault(rec.name, [0.0] * rec.num_layers)
+            vector[rec.layer_number - 1] += rec.value
     return slots
 
 
@@ -322,14 +334,16 @@ def _vector_problems(what: str, held: list[float], want: list[float]) -> list[st
         return []
     i = bad[0]
     return [
-        f"{what}[{i}] holds {held[i]!r} but this step recorded {want[i]!r} there "
+        f"{what}[{i}] holds {held[i]!r} but the steps since the previous call recorded "
+        f"{want[i]!r} there "
         f"({len(bad)} slot(s) differ): the tracker was not cleared after the previous call"
     ]
 
 
 @_guarded
 def moe_reset(scenario: Scenario, run: WorldRun) -> list[str]:
-    """Before each later call the tracker holds only that step's records; values match."""
+    """Before each later call the tracker holds only the records since the previous call;
+    values match."""
     problems = []
     for view in call_views(scenario, run):
         if view.step == 0 or not isinstance(view.spec, MoeCall):
@@ -343,6 +357,13 @@ def moe_reset(scenario: Scenario, run: WorldRun) -> list[str]:
 
 
 # -- MTP ---------------------------------------------------------------------------------------
+
+
+@_guarded
+def interleaved_values(scenario: Scenario, run: WorldRun) -> list[str]:
+    """Every call of a step sequence, of either function, returns the oracle's keys and
+    values, and each holds only what was recorded since the previous call of its function."""
+    return moe_reset(scenario, run) + mtp_reset(scenario, run)
 
 
 @_guarded
@@ -381,21 +402,25 @@ def mtp_acceptance_rate(scenario: Scenario, run: WorldRun) -> list[str]:
 
 
 def _recorded_mtp(scenario: Scenario, step: int, rank: int) -> dict[str, list[float]]:
-    records = scenario.steps[step].records
-    if records is None or rank not in records.mtp:
-        return {}
+    """The MTP tracker of ``rank`` that the records since the previous ``get_mtp_metrics``
+    call alone produce."""
     length = scenario.setup.layout.mtp_num_layers
     out = {"loss": [0.0] * length, "correct": [0.0] * length, "total": [0.0] * length}
-    for rec in records.mtp[rank]:
-        out["loss"][rec.layer_number] += rec.loss
-        out["correct"][rec.layer_number] += rec.correct
-        out["total"][rec.layer_number] += rec.total
-    return out
+    seen = False
+    for index in _steps_since_last_call(scenario, step, MtpCall):
+        records = scenario.steps[index].records
+        for rec in records.mtp.get(rank, []) if records is not None else []:
+            seen = True
+            out["loss"][rec.layer_number] += rec.loss
+            out["correct"][rec.layer_number] += rec.correct
+            out["total"][rec.layer_number] += rec.total
+    return out if seen else {}
 
 
 @_guarded
 def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
-    """Before each later call the MTP tracker holds only that step's records; values match."""
+    """Before each later call the MTP tracker holds only the records since the previous call;
+    values match."""
     problems = []
     for view in call_views(scenario, run):
         if view.step == 0 or not isinstance(view.spec, MtpCall):

@@ -287,9 +287,10 @@ def run_check(args: argparse.Namespace) -> int:
     results: dict[str, PropertyResult] = {}
     todo = []
     for prop in selection.properties:
-        if prop.function not in provided:
+        missing = [name for name in prop.functions if name not in provided]
+        if missing:
             results[prop.id] = _not_run(
-                prop, "absent", f"the target does not define {prop.function}"
+                prop, "absent", f"the target does not define {', '.join(missing)}"
             )
         elif prop.id in selection.skip:
             results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")

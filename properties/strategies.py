@@ -20,6 +20,7 @@ from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.calls import (
     BroadcastCall,
     BufferSpec,
+    CallSpec,
     MoeCall,
     MtpCall,
     RoundUpCall,
@@ -44,6 +45,7 @@ from pipemetrics.sim.topology import places_for
 __all__ = [
     "broadcast_scenarios",
     "dtypes",
+    "interleaved_scenarios",
     "invalid_buffer",
     "layer_layouts",
     "layouts",
@@ -58,6 +60,8 @@ __all__ = [
     "routing_configs",
     "setups",
     "splits",
+    "step_program",
+    "steps_of",
     "synthetic_records",
     "tensor_shapes",
     "track_names_scenarios",
@@ -339,11 +343,9 @@ def moe_scenarios(
     layout = setup.layout
     per_layer_logging = draw(st.booleans()) if per_layer is None else per_layer
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
-    steps = []
     num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
-    for _ in range(count):
-        scale = draw(loss_scales(layout.microbatches, allow_one=scale_one))
-        call = moe_call(
+    calls = loss_scales(layout.microbatches, allow_one=scale_one).map(
+        lambda scale: moe_call(
             layout,
             semantic,
             loss_scale=scale,
@@ -356,8 +358,51 @@ def moe_scenarios(
                 "track_names": track_names,
             }
         )
-        steps.append(Step(records=draw(synthetic_records(setup)), calls=[call]))
+    )
+    steps = draw(steps_of(profile, setup, count, [calls]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+
+
+@st.composite
+def step_program(
+    draw: st.DrawFn, setup: Setup, count: int, calls: list[st.SearchStrategy[CallSpec]]
+) -> list[Step]:
+    """``count`` training steps as a rule-based state machine walks them (the ``multi_step``
+    class). Each step either trains (every router and the MTP loss record, as Megatron's do
+    only in training) or is forward-only (nothing recorded: an evaluation or log-prob pass, so
+    a name can first appear in a later step and MTP be recorded in one step and not the
+    next); after it, any subset of ``calls`` in any order, the last step making at least one
+    (a step without a call leaves its records to the next call). Shrinking removes steps, then
+    calls and records, so a failure comes down to the shortest sequence. It is drawn as one
+    scenario, not run rule by rule with Hypothesis's ``RuleBasedStateMachine``, because a world
+    runs a scenario as one task: every rule would otherwise re-run the whole prefix."""
+    steps = []
+    for index in range(count):
+        records = draw(synthetic_records(setup)) if draw(st.booleans()) else None
+        order = draw(st.permutations(range(len(calls))))
+        chosen = [i for i in order if draw(st.booleans())]
+        if index == count - 1 and not chosen:
+            chosen = [order[0]]
+        steps.append(Step(records=records, calls=[draw(calls[i]) for i in chosen]))
+    return steps
+
+
+@st.composite
+def steps_of(
+    draw: st.DrawFn,
+    profile: Profile,
+    setup: Setup,
+    count: int,
+    calls: list[st.SearchStrategy[CallSpec]],
+) -> list[Step]:
+    """``count`` steps: a `step_program` when there is more than one and the profile generates
+    the ``multi_step`` class, else every step records and makes every call, in order."""
+    if count > 1 and profile.generates("multi_step"):
+        return draw(step_program(setup, count, calls))
+    return [
+        Step(records=draw(synthetic_records(setup)), calls=[draw(call) for call in calls])
+        for _ in range(count)
+    ]
 
 
 @st.composite
@@ -372,12 +417,24 @@ def mtp_scenarios(
     """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank."""
     setup = draw(setups(profile, min_mtp=1))
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
-    steps = []
-    for _ in range(count):
-        scale = draw(loss_scales(setup.layout.microbatches, allow_one=scale_one))
-        steps.append(
-            Step(records=draw(synthetic_records(setup)), calls=[MtpCall(loss_scale=scale)])
-        )
+    calls = loss_scales(setup.layout.microbatches, allow_one=scale_one).map(
+        lambda scale: MtpCall(loss_scale=scale)
+    )
+    steps = draw(steps_of(profile, setup, count, [calls]))
+    return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+
+
+@st.composite
+def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
+    """Both functions over a step program: ``get_moe_metrics`` (the document's pre-initialising
+    call) and ``get_mtp_metrics``, in either order, some steps calling one or none."""
+    setup = draw(setups(profile))
+    layout = setup.layout
+    count = draw(st.integers(2, max(2, profile.max_steps)))
+    scales = loss_scales(layout.microbatches)
+    moe = scales.map(lambda scale: moe_call(layout, semantic, loss_scale=scale))
+    mtp = scales.map(lambda scale: MtpCall(loss_scale=scale))
+    steps = draw(steps_of(profile, setup, count, [moe, mtp]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 

@@ -28,8 +28,9 @@ def test_property(
 ) -> None:
     if pipemetrics_options.semantic not in prop.profiles:
         pytest.skip(f"not part of the {pipemetrics_options.semantic} profile")
-    if prop.function not in pipemetrics_provided:
-        pytest.skip(f"absent: the target does not define {prop.function}")
+    missing = [name for name in prop.functions if name not in pipemetrics_provided]
+    if missing:
+        pytest.skip(f"absent: the target does not define {', '.join(missing)}")
     result = run_property(prop, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage)
     if result.status == "pass":
         return

@@ -135,6 +135,45 @@ class Mutant(BaseModel):
 
 _MUTANTS: list[Mutant] = [
     Mutant(
+        name="moe_plan_cached_after_first_call",
+        description=(
+            "get_moe_metrics skips the metadata round after its first call and reuses the "
+            "first plan for the same arguments (the 'steady state' shortcut, with no check "
+            "that the tracker's names are unchanged). Harmless while every step records the "
+            "same names; when the first call follows a forward-only step (nothing recorded, "
+            "e.g. an evaluation pass) and the names appear from the second step on, they are "
+            "dropped from every later result. Scenario: two steps, the first records nothing, "
+            "track_names=None."
+        ),
+        edits=(
+            (
+                "    payloads: list[Any] = [payload]\n"
+                "    if distributed:\n"
+                "        payloads = [None] * dist.get_world_size()\n"
+                "        dist.all_gather_object(payloads, payload)\n"
+                "    lengths, settings, errors = _plan(payloads, distributed)\n",
+                "    key = (num_layers, mtp_num_layers, tuple(names))\n"
+                "    if key in _PLANS:  # steady state: the same names every step\n"
+                "        lengths, settings, errors = _PLANS[key]\n"
+                "    else:\n"
+                "        payloads: list[Any] = [payload]\n"
+                "        if distributed:\n"
+                "            payloads = [None] * dist.get_world_size()\n"
+                "            dist.all_gather_object(payloads, payload)\n"
+                "        lengths, settings, errors = _plan(payloads, distributed)\n"
+                "        _PLANS[key] = (lengths, settings, errors)\n",
+            ),
+            (
+                "def get_moe_metrics(\n",
+                "_PLANS: dict[Any, Any] = {}\n\n\ndef get_moe_metrics(\n",
+            ),
+        ),
+        fails=("moe.reset", "moe.total_loss_dict"),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("multi_step",),
+    ),
+    Mutant(
         name="moe_dp_avg_over_expert_data_group",
         description=(
             "get_moe_metrics takes over the data-parallel average of the names that need one "
