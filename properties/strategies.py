@@ -74,11 +74,18 @@ Semantic = Literal["seed", "megatron", "strict"]
 # -- worlds ------------------------------------------------------------------------------------
 
 
-def world_shapes(profile: Profile, *, min_size: int = 1) -> st.SearchStrategy[WorldSpec]:
-    """The profile's fixed list of shapes (live worlds are reused across examples); the wide
-    ones only when the profile generates the ``wide_world`` class."""
+def world_shapes(
+    profile: Profile, *, min_size: int = 1, max_size: int | None = None
+) -> st.SearchStrategy[WorldSpec]:
+    """The profile's fixed list of shapes (live worlds are reused across examples) of
+    ``min_size`` to ``max_size`` ranks; the wide ones only when the profile generates the
+    ``wide_world`` class."""
     wide = profile.generates("wide_world")
-    shapes = [s for s in profile.shapes if s.world_size >= min_size and (wide or not is_wide(s))]
+    shapes = [
+        s
+        for s in profile.shapes
+        if min_size <= s.world_size <= (max_size or s.world_size) and (wide or not is_wide(s))
+    ]
     return st.sampled_from(shapes)
 
 
@@ -441,9 +448,12 @@ def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic)
 @st.composite
 def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
     """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``."""
-    small = [s for s in profile.shapes if s.world_size <= 4]
     setup = draw(
-        setups(profile, routing=routing_configs(sinkhorn=False), shapes=st.sampled_from(small))
+        setups(
+            profile,
+            routing=routing_configs(sinkhorn=False),
+            shapes=world_shapes(profile, max_size=4),
+        )
     )
     layout = setup.layout
     count = draw(st.integers(1, min(2, profile.max_steps)))
