@@ -152,20 +152,17 @@ _MUTANTS: list[Mutant] = [
                 "        payloads = [None] * dist.get_world_size()\n"
                 "        dist.all_gather_object(payloads, payload)\n"
                 "    lengths, settings, errors = _plan(payloads, distributed)\n",
+                "    plans = tracker.__dict__.setdefault('_plans', {})  # kept with the tracker\n"
                 "    key = (num_layers, mtp_num_layers, tuple(names))\n"
-                "    if key in _PLANS:  # steady state: the same names every step\n"
-                "        lengths, settings, errors = _PLANS[key]\n"
+                "    if key in plans:  # steady state: the same names every step\n"
+                "        lengths, settings, errors = plans[key]\n"
                 "    else:\n"
                 "        payloads: list[Any] = [payload]\n"
                 "        if distributed:\n"
                 "            payloads = [None] * dist.get_world_size()\n"
                 "            dist.all_gather_object(payloads, payload)\n"
                 "        lengths, settings, errors = _plan(payloads, distributed)\n"
-                "        _PLANS[key] = (lengths, settings, errors)\n",
-            ),
-            (
-                "def get_moe_metrics(\n",
-                "_PLANS: dict[Any, Any] = {}\n\n\ndef get_moe_metrics(\n",
+                "        plans[key] = (lengths, settings, errors)\n",
             ),
         ),
         fails=("moe.reset", "moe.total_loss_dict"),
@@ -176,27 +173,26 @@ _MUTANTS: list[Mutant] = [
     Mutant(
         name="moe_dp_avg_over_expert_data_group",
         description=(
-            "get_moe_metrics takes over the data-parallel average of the names that need one "
-            "and runs it over parallel_state's expert data-parallel group (the data-parallel "
-            "replicas of the experts) instead of the data-parallel group. Without expert "
-            "parallelism that group spans the stage's data x context ranks, and since the "
-            "reductions are linear the result is the same; with ep = 2 it holds one rank, so "
-            "the data-parallel ranks report their own values. Scenario: dp=2, ep=2, "
+            "get_moe_metrics hands Megatron's reduction a ProcessGroupCollection whose "
+            "data-parallel group (dp_cp_gtp_remat, what _sync_metrics averages over) is the "
+            "expert data-parallel group ('the data-parallel replicas of the experts'). Without "
+            "expert parallelism that group spans the stage's data x context ranks, and the "
+            "average comes out the same (context-parallel peers already agree after the "
+            "reduce-group sum); with ep = 2 it holds fewer ranks than the data-parallel group, "
+            "so the data-parallel ranks report their own values. Scenario: dp=2, ep=2, "
             "load_balancing_loss differing between the data-parallel ranks."
         ),
         edits=(
             (
                 "    if distributed:\n        tracker._sync_metrics(sorted(lengths))\n",
                 "    if distributed:\n"
-                "        experts_dp = parallel_state.get_expert_data_parallel_group()\n"
-                "        for name in sorted(lengths):  # average over the experts' replicas\n"
-                "            entry = tracker.metrics[name]\n"
-                "            if entry.needs_dp_avg:\n"
-                "                dist.all_reduce(\n"
-                "                    entry.values, group=experts_dp, op=dist.ReduceOp.AVG\n"
-                "                )\n"
-                "                entry.needs_dp_avg = False\n"
-                "        tracker._sync_metrics(sorted(lengths))\n",
+                "        from megatron.core.process_groups_config import ProcessGroupCollection\n"
+                "\n"
+                "        groups = ProcessGroupCollection(\n"
+                "            pp=parallel_state.get_pipeline_model_parallel_group(),\n"
+                "            dp_cp_gtp_remat=parallel_state.get_expert_data_parallel_group(),\n"
+                "        )\n"
+                "        tracker._sync_metrics(sorted(lengths), groups)\n",
             ),
         ),
         fails=("moe.values",),
@@ -243,9 +239,11 @@ _MUTANTS: list[Mutant] = [
         edits=(
             (
                 "    tracker = MTPLossLoggingHelper.tracker\n",
-                "    if not parallel_state.is_pipeline_last_stage(\n"
-                "        ignore_virtual=False,\n"
-                "        vp_stage=parallel_state.get_virtual_pipeline_model_parallel_rank(),\n"
+                "    if parallel_state.model_parallel_is_initialized() and not (\n"
+                "        parallel_state.is_pipeline_last_stage(\n"
+                "            ignore_virtual=False,\n"
+                "            vp_stage=parallel_state.get_virtual_pipeline_model_parallel_rank(),\n"
+                "        )\n"
                 "    ):  # only the last pipeline stage computes the MTP loss\n"
                 "        return {}\n"
                 "    tracker = MTPLossLoggingHelper.tracker\n",

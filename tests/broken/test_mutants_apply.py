@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.moe_logging import (
 )
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.trackers import reset_trackers
+from pipemetrics.sim.trackers import mtp_counts_acceptance, reset_trackers
 
 from ..conftest import set_mtp_tracker
 from .mutants import (
@@ -195,15 +195,27 @@ class FakeDist:
         self.calls.append("broadcast")
 
 
+def fake_parallel_state(**overrides: Any) -> SimpleNamespace:
+    """Enough of ``parallel_state`` for the last pipeline stage of a world without a virtual
+    pipeline or expert parallelism (``overrides`` replace functions)."""
+    functions: dict[str, Any] = {
+        "model_parallel_is_initialized": lambda: True,
+        "is_pipeline_last_stage": lambda ignore_virtual=True, vp_stage=None: True,
+        "get_virtual_pipeline_model_parallel_rank": lambda: None,
+        "get_expert_data_parallel_group": lambda: "expert_data",
+        "get_pipeline_model_parallel_group": lambda: "pipeline",
+    }
+    functions.update(overrides)
+    return SimpleNamespace(**functions)
+
+
 def _fake_world(
     module: ModuleType, monkeypatch: pytest.MonkeyPatch, fake: FakeDist
 ) -> list[list[tuple[str, int]]]:
     """Patch ``fake`` into ``module``; returns the list of ``_sync_metrics`` calls, each as
     ``[(name, length), ...]`` in the order the names would be reduced."""
     monkeypatch.setattr(module, "dist", fake)
-    monkeypatch.setattr(
-        module, "parallel_state", SimpleNamespace(model_parallel_is_initialized=lambda: True)
-    )
+    monkeypatch.setattr(module, "parallel_state", fake_parallel_state())
     syncs: list[list[tuple[str, int]]] = []
     tracker = get_moe_metrics_tracker()
 
@@ -466,6 +478,64 @@ def _mtp_after_call(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return [tracker[k].tolist() for k in ("loss_values", "correct_values", "total_values")]
 
 
+def _standalone_mtp_slots(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # This rank is not the last stage but holds the MTP layer (a standalone MTP stage): its
+    # router recorded AUX into the MTP slot (num_layers + 1) too. What enters the reduction?
+    _record(AUX, [1.0, 2.0, 3.0, 4.0, 10.0])
+    _fake_world(m, mp, FakeDist(1, 2))
+    mp.setattr(m, "parallel_state", fake_parallel_state(is_pipeline_last_stage=lambda **_: False))
+    tracker = get_moe_metrics_tracker()
+    seen: list[list[float]] = []
+    mp.setattr(
+        tracker,
+        "_sync_metrics",
+        lambda names, pg=None: seen.append(tracker.metrics[AUX].values.tolist()),
+    )
+    m.get_moe_metrics(1.0, None, False, 4, 1, [AUX])
+    return seen
+
+
+def _virtual_pipeline_last_stage(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # The last pipeline stage of a virtual pipeline of 2 chunks, virtual rank 0 (what
+    # initialize_model_parallel sets): Megatron's is_pipeline_last_stage(ignore_virtual=False,
+    # vp_stage=v) is True only for v == 1.
+    set_mtp_tracker([4.0], [1.0], [2.0])
+    last = fake_parallel_state(
+        is_pipeline_last_stage=lambda ignore_virtual=True, vp_stage=None: (
+            ignore_virtual or vp_stage == 1
+        ),
+        get_virtual_pipeline_model_parallel_rank=lambda: 0,
+    )
+    mp.setattr(m, "parallel_state", last)
+    return len(m.get_mtp_metrics(1.0))  # how many metrics (their keys are another check's)
+
+
+def _dp_average_group(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Which data-parallel group does the reduction average over? (None: Megatron's default,
+    # parallel_state's data-parallel group.)
+    _record(AUX, [2.0, 4.0])
+    _fake_world(m, mp, FakeDist(1, 2))
+    tracker = get_moe_metrics_tracker()
+    seen: list[Any] = []
+    mp.setattr(
+        tracker,
+        "_sync_metrics",
+        lambda names, pg=None: seen.append(getattr(pg, "dp_cp_gtp_remat", None)),
+    )
+    m.get_moe_metrics(1.0)
+    return seen
+
+
+def _names_from_the_second_step(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # A forward-only first step records nothing; the second records AUX (on every rank).
+    fake = FakeDist(1, 2)
+    _fake_world(m, mp, fake)
+    first = m.get_moe_metrics(1.0)
+    _record(AUX, [2.0, 4.0])
+    second = m.get_moe_metrics(1.0)
+    return first.get(AUX), second.get(AUX), fake.calls.count("all_gather_object")
+
+
 SYNC_5 = [[(AUX, 5)]]
 #: mutant -> (situation, what the reference shows, what the mutant shows)
 BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
@@ -576,6 +646,26 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         _mtp_after_call,
         [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
         [[4.0, 2.0], [1.0, 1.0], [2.0, 2.0]],
+    ),
+    "moe_mtp_slots_only_on_last_stage": (
+        _standalone_mtp_slots,
+        [[1.0, 2.0, 3.0, 4.0, 10.0]],
+        [[1.0, 2.0, 3.0, 4.0, 0.0]],  # the MTP layer's slot is zeroed before the reduction
+    ),
+    "mtp_gated_on_virtual_last_stage": (
+        _virtual_pipeline_last_stage,
+        2 if mtp_counts_acceptance() else 1,
+        0,
+    ),
+    "moe_dp_avg_over_expert_data_group": (
+        _dp_average_group,
+        [None],
+        ["expert_data"],
+    ),
+    "moe_plan_cached_after_first_call": (
+        _names_from_the_second_step,
+        (None, 3.0, 2),
+        (None, None, 1),  # AUX dropped, no second metadata round
     ),
 }
 
