@@ -8,20 +8,26 @@ it passes) and once with it (it fails), each in a subprocess with a hard wall-cl
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.coverage import features, generator_classes
+from pipemetrics.properties.judges import whole_run
 from pipemetrics.properties.profiles import PROFILES
-from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, BufferSpec
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
+from pipemetrics.sim.values import make_tensor
 
 from .broken.mutants import MUTANTS, write_mutant
-from .conftest import Bounds
+from .conftest import Bounds, TrackingPool
 from .test_properties_runner import check
 
 CI = PROFILES["ci"]
@@ -159,3 +165,111 @@ def test_the_class_catches_a_global_source_passed_as_group_rank(
     assert code == 1, output
     assert {p["id"]: p["status"] for p in data["properties"]} == {i: "fail" for i in ids}
     assert data["coverage"]["classes"]["group_broadcast"] > 0
+
+
+# -- the data model ----------------------------------------------------------------------------
+
+
+def test_a_broadcast_written_before_subgroups_keeps_its_meaning() -> None:
+    call = BroadcastCall.model_validate_json('{"function": "broadcast_tensor", "src_rank": 2}')
+    assert (call.group, call.src_rank, call.src_group_rank, call.members) == (
+        "world",
+        2,
+        None,
+        None,
+    )
+    assert call.fill_seed_for(2) == call.fill_seed
+    world = WorldSpec(pp=2, dp=2)
+    assert broadcast_plan(call, world) == {r: BroadcastRole((0, 1, 2, 3), 2) for r in range(4)}
+
+
+def test_src_group_rank_alone_needs_no_src_rank() -> None:
+    call = BroadcastCall(group="pp", src_group_rank=-1)
+    assert call.src_rank is None
+    plan = broadcast_plan(call, WorldSpec(pp=2, dp=2))
+    assert plan == {0: BroadcastRole((0, 2), 2), 2: BroadcastRole((0, 2), 2),
+                    1: BroadcastRole((1, 3), 3), 3: BroadcastRole((1, 3), 3)}  # fmt: skip
+    assert call.fill_seed_for(2) != call.fill_seed_for(3), "each group sends its own tensor"
+
+
+def test_a_global_source_on_a_role_broadcasts_in_its_group_only() -> None:
+    call = BroadcastCall(group="dp", src_rank=3)
+    assert broadcast_plan(call, WorldSpec(pp=2, dp=2)) == {
+        2: BroadcastRole((2, 3), 3), 3: BroadcastRole((2, 3), 3)
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"src_rank": 1, "src_group_rank": 0}, "src_rank / src_group_rank"),
+        ({"group": "new_group", "src_rank": 1}, "members"),
+        ({"group": "new_group", "members": [2, 1], "src_rank": 1}, "members"),
+        ({"group": "new_group", "members": [1, 2], "src_rank": 0}, "src_rank"),
+        ({"group": "new_group", "members": [1, 2], "src_group_rank": 2}, "src_group_rank"),
+        ({"group": "dp", "members": [0, 1]}, "members"),
+        ({"src_rank": -1}, "src_rank"),
+    ],
+)
+def test_call_validation_names_the_field(fields: dict[str, object], named: str) -> None:
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        BroadcastCall.model_validate(fields)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"group": "data"}, "calls[0].group"),
+        ({"src_rank": 4}, "calls[0].src_rank"),
+        ({"group": "new_group", "members": [0, 4], "src_rank": 0}, "calls[0].members"),
+        ({"group": "pp", "src_group_rank": 2}, "calls[0].src_group_rank"),
+        ({"group": "dp", "src_rank": 3, "buffers": {"0": {"shape": [4], "dtype": "float32"}}},
+         "calls[0].buffers"),
+    ],
+)  # fmt: skip
+def test_scenario_validation_names_the_field(fields: dict[str, object], named: str) -> None:
+    data = {
+        "setup": {"world": {"pp": 2, "dp": 2}, "layout": {"num_layers": 2}},
+        "steps": [{"calls": [{"function": "broadcast_tensor", **fields}]}],
+    }
+    with pytest.raises(ValidationError, match=re.escape(named)):
+        Scenario.model_validate(data)
+
+
+# -- the reference on subgroups, in a real world -----------------------------------------------
+
+
+def test_reference_broadcasts_over_subgroups(pool: TrackingPool) -> None:
+    """pp=2 x dp=2: both pipeline groups from their last stage, both dp groups from group rank 1,
+    and a new_group [1, 2, 3] from global rank 2 (group rank 1) with rank 0 not calling; each
+    receiver holds its own group's source tensor."""
+    calls = [
+        BroadcastCall(group="pp", src_group_rank=-1, shape=[2, 3], fill_seed=5,
+                      buffers={0: BufferSpec(shape=[2, 3], dtype="float32")}),
+        BroadcastCall(group="dp", src_group_rank=1, shape=[3], dtype="int64"),
+        BroadcastCall(group="new_group", members=[1, 2, 3], src_rank=2, shape=[2]),
+    ]  # fmt: skip
+    world = WorldSpec(pp=2, dp=2)
+    scenario = Scenario(
+        setup=Setup(world=world, layout=ModelLayout(num_layers=2)),
+        steps=[Step(calls=list(calls))],
+        deadline_s=60.0,
+    )
+    result = pool.run(scenario)
+    assert result.verdict.kind == "ok", result.verdict.message
+    for index, call in enumerate(calls):
+        plan = broadcast_plan(call, world)
+        for rank, rank_result in result.ranks.items():
+            assert rank_result.done is not None
+            reports = [r for r in rank_result.done.reports if r.call == index]
+            if rank not in plan:
+                assert not reports, f"rank {rank} is outside {call.members} but called"
+                continue
+            (report,) = reports
+            assert report.error is None, report.error
+            source = plan[rank].source
+            want = make_tensor(call.shape, call.dtype, call.fill_seed_for(source), False)
+            assert report.value["__tensor__"]["values"] == want.reshape(-1).tolist(), (index, rank)
+    assert result.ranks[0].done is not None
+    assert result.ranks[0].done.reports[0].value["__tensor__"]["is_buffer"]
+    assert whole_run(scenario, result) == []
