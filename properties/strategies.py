@@ -434,8 +434,9 @@ def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
     roles = subgroup_roles(world)
     form = draw(st.sampled_from((["role"] if roles else []) + ["new_group"]))
     if form == "role":
-        usual: list[str] = [role for role in ("pp", "dp") if role in roles]
-        role = draw(st.sampled_from(usual if usual and draw(st.booleans()) else roles))
+        usual = [role for role in ("pp", "dp") if role in roles]
+        prefer_usual = bool(usual) and draw(st.booleans())
+        role = draw(st.sampled_from(usual if prefer_usual else roles))
         size = len(places_for(world)[0].groups[role])
         positions = ([-1] if role == "pp" else []) + list(range(size))
         return BroadcastCall(group=role, src_group_rank=draw(st.sampled_from(positions)))
