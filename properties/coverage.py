@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from pipemetrics.properties.profiles import GENERATOR_CLASSES, is_wide
-from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, TrackNamesCall
-from pipemetrics.sim.layout import EvenSplit, Setup
+from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
+from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.topology import broadcast_plan, places_for
 
 RARE: tuple[str, ...] = (
     "stage_without_moe",
@@ -83,8 +84,17 @@ def layout_features(setup: Setup) -> list[str]:
     return found
 
 
-def broadcast_features(call: BroadcastCall) -> list[str]:
+def broadcast_features(call: BroadcastCall, world: WorldSpec) -> list[str]:
     found = [f"dtype={call.dtype}"]
+    if is_group_broadcast(call, world):
+        found.append(f"group={call.group}")
+        plan = broadcast_plan(call, world)
+        if len({role.members for role in plan.values()}) > 1:
+            found.append("several_groups_at_once")
+        if any(role.members.index(role.source) != 0 for role in plan.values()):
+            found.append("src_not_group_rank0")
+        if any(role.source != role.members.index(role.source) for role in plan.values()):
+            found.append("src_global_ne_group_rank")
     if not call.shape:
         found.append("0-d")
     elif 0 in call.shape:
@@ -143,6 +153,28 @@ def step_program_traits(scenario: Scenario) -> list[str]:
     return found
 
 
+def is_group_broadcast(call: BroadcastCall, world: WorldSpec) -> bool:
+    """A broadcast over a new_group or over a role whose groups do not span the world (where a
+    group rank and a global rank differ): generator class ``group_broadcast``."""
+    if call.group == NEW_GROUP:
+        return True
+    return len(places_for(world)[0].groups[call.group]) < world.world_size
+
+
+def step_sources(scenario: Scenario) -> list[set[int]]:
+    """Per step, the global source ranks of its broadcasts."""
+    world = scenario.setup.world
+    return [
+        {
+            role.source
+            for call in step.calls
+            if isinstance(call, BroadcastCall)
+            for role in broadcast_plan(call, world).values()
+        }
+        for step in scenario.steps
+    ]
+
+
 def generator_classes(scenario: Scenario) -> set[str]:
     """The `GENERATOR_CLASSES` one scenario belongs to."""
     found: set[str] = set()
@@ -158,6 +190,9 @@ def generator_classes(scenario: Scenario) -> set[str]:
         found.add("wide_world")
     if step_program_traits(scenario):
         found.add("multi_step")
+    calls = [call for step in scenario.steps for call in step.calls]
+    if any(isinstance(c, BroadcastCall) and is_group_broadcast(c, world) for c in calls):
+        found.add("group_broadcast")
     return found
 
 
@@ -175,9 +210,11 @@ def features(scenario: Scenario) -> list[str]:
         found.append("router_mode")
     for call in calls:
         if isinstance(call, BroadcastCall):
-            found += broadcast_features(call)
+            found += broadcast_features(call, world)
         elif isinstance(call, MoeCall):
             found += moe_call_features(scenario.setup, call)
+    if any(len(sources) > 1 for sources in step_sources(scenario)):
+        found.append("several_sources")
     found += [f"class:{name}" for name in sorted(generator_classes(scenario))]
     return found
 

@@ -23,7 +23,7 @@ from pipemetrics.sim import oracle
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall, TrackNamesCall
 from pipemetrics.sim.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
 from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
 from pipemetrics.sim.world import WorldRun
 
 Judge = Callable[[Scenario, WorldRun], list[str]]
@@ -451,11 +451,18 @@ def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
 # -- broadcast ---------------------------------------------------------------------------------
 
 
-def _expected_tensor(spec: BroadcastCall) -> dict[str, Any]:
+def _source_tensors(scenario: Scenario, spec: BroadcastCall) -> dict[int, dict[str, Any]]:
+    """Each calling rank's expected tensor (its own group's source tensor), described."""
     from pipemetrics.sim.values import describe_tensor, make_tensor
 
-    tensor = make_tensor(spec.shape, spec.dtype, spec.fill_seed, spec.non_contiguous)
-    return describe_tensor(tensor)
+    plan = broadcast_plan(spec, scenario.setup.world)
+    described: dict[int, dict[str, Any]] = {}
+    for source in sorted({role.source for role in plan.values()}):
+        tensor = make_tensor(
+            spec.shape, spec.dtype, spec.fill_seed_for(source), spec.non_contiguous
+        )
+        described[source] = describe_tensor(tensor) | {"source": source}
+    return {rank: described[role.source] for rank, role in plan.items()}
 
 
 def _tensor_problems(spec: BroadcastCall, value: Any, want: dict[str, Any]) -> list[str]:
@@ -469,35 +476,41 @@ def _tensor_problems(spec: BroadcastCall, value: Any, want: dict[str, Any]) -> l
         problems.append(f"shape {got['shape']}, expected {spec.shape}")
     if not problems and got["values"] != want["values"]:
         problems.append(
-            f"values {short(got['values'], 200)}, expected {short(want['values'], 200)}"
+            f"values {short(got['values'], 200)}, expected {short(want['values'], 200)} "
+            f"(the tensor of its group's source, global rank {want['source']})"
         )
     return problems
 
 
+def _where_call(view: CallView, rank: int) -> str:
+    return f"call {view.index} rank {rank}"
+
+
 def broadcast_roundtrip(scenario: Scenario, run: WorldRun) -> list[str]:
-    """Every rank ends up with the source tensor: same dtype, shape and values."""
+    """Every calling rank ends up with its own group's source tensor: same dtype, shape and
+    values (several groups of a role broadcast at once, each from its own source)."""
     problems = []
     for view in call_views(scenario, run):
         assert isinstance(view.spec, BroadcastCall)
-        want = _expected_tensor(view.spec)
+        wants = _source_tensors(scenario, view.spec)
         for rank, report in sorted(view.reports.items()):
-            for line in _tensor_problems(view.spec, report.value, want):
-                problems.append(f"call {view.index} rank {rank}: {line}")
+            for line in _tensor_problems(view.spec, report.value, wants[rank]):
+                problems.append(f"{_where_call(view, rank)}: {line}")
     return problems
 
 
 def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
-    """A receiver that passes a valid buffer finds the source tensor in it after the call, and
-    gets the source tensor back (strict: that very buffer)."""
+    """A receiver that passes a valid buffer finds its group's source tensor in it after the
+    call, and gets that tensor back (strict: that very buffer)."""
     problems = broadcast_roundtrip(scenario, run)
     for view in call_views(scenario, run):
         assert isinstance(view.spec, BroadcastCall)
-        want = _expected_tensor(view.spec)
+        wants = _source_tensors(scenario, view.spec)
         for rank, report in sorted(view.reports.items()):
             if rank not in view.spec.buffers:
                 continue
-            where = f"call {view.index} rank {rank}"
-            for line in _tensor_problems(view.spec, report.buffer, want):
+            where = _where_call(view, rank)
+            for line in _tensor_problems(view.spec, report.buffer, wants[rank]):
                 problems.append(
                     f"{where}: the buffer it passed holds {line.removeprefix('returned ')}"
                 )
@@ -510,14 +523,14 @@ def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
     return problems
 
 
-def _invalid_ranks(spec: BroadcastCall, world_size: int) -> list[int]:
-    """The ranks whose own input is invalid: the source passing None, receivers whose buffer
-    does not match the source's shape, dtype or the group's device."""
-    bad = [spec.src_rank] if spec.source_passes_none else []
+def _invalid_ranks(spec: BroadcastCall, plan: dict[int, BroadcastRole]) -> list[int]:
+    """The calling ranks whose own input is invalid: a source passing None, receivers whose
+    buffer does not match the source's shape, dtype or the group's device."""
+    bad = {role.source for role in plan.values()} if spec.source_passes_none else set()
     for rank, buffer in spec.buffers.items():
         if (buffer.shape, buffer.dtype, buffer.device) != (spec.shape, spec.dtype, "default"):
-            bad.append(rank)
-    return sorted(r for r in bad if 0 <= r < world_size)
+            bad.add(rank)
+    return sorted(r for r in bad if r in plan)
 
 
 def broadcast_value_error(scenario: Scenario, run: WorldRun) -> list[str]:
@@ -528,7 +541,8 @@ def broadcast_value_error(scenario: Scenario, run: WorldRun) -> list[str]:
         return problems
     for view in call_views(scenario, run):
         assert isinstance(view.spec, BroadcastCall)
-        for rank in _invalid_ranks(view.spec, scenario.setup.world.world_size):
+        plan = broadcast_plan(view.spec, scenario.setup.world)
+        for rank in _invalid_ranks(view.spec, plan):
             report = view.reports.get(rank)
             where = f"call {view.index} rank {rank} (invalid input)"
             if report is None:
@@ -550,23 +564,40 @@ def broadcast_value_error(scenario: Scenario, run: WorldRun) -> list[str]:
 
 
 def broadcast_errors_everywhere(scenario: Scenario, run: WorldRun) -> list[str]:
-    """An invalid input on any rank makes every rank raise ValueError; no rank hangs."""
+    """An invalid input on any rank of a group makes every rank of that group raise
+    ValueError; no rank hangs; the groups without an invalid input broadcast as usual."""
     problems = world_problems(run)
     if problems:
         return problems
     for view in call_views(scenario, run):
-        missing = sorted(set(run.ranks) - set(view.reports))
+        assert isinstance(view.spec, BroadcastCall)
+        plan = broadcast_plan(view.spec, scenario.setup.world)
+        bad = set(_invalid_ranks(view.spec, plan))
+        wants = _source_tensors(scenario, view.spec)
+        missing = sorted(set(plan) - set(view.reports))
         if missing:
             problems.append(f"call {view.index}: ranks {missing} never made the call")
         for rank, report in sorted(view.reports.items()):
-            if report.error is None:
+            where = _where_call(view, rank)
+            if not bad & set(plan[rank].members):
+                if report.error is not None:
+                    problems.append(
+                        f"{where}: raised {report.error.type}: {report.error.message[:200]} "
+                        f"(no rank of its group {list(plan[rank].members)} has an invalid input)"
+                    )
+                else:
+                    problems += [
+                        f"{where}: {line}"
+                        for line in _tensor_problems(view.spec, report.value, wants[rank])
+                    ]
+            elif report.error is None:
                 problems.append(
-                    f"call {view.index} rank {rank}: returned {short(report.value, 120)} "
-                    "instead of raising (another rank has an invalid input)"
+                    f"{where}: returned {short(report.value, 120)} "
+                    "instead of raising (another rank of its group has an invalid input)"
                 )
             elif report.error.type != "ValueError":
                 problems.append(
-                    f"call {view.index} rank {rank}: raised {report.error.type}: "
+                    f"{where}: raised {report.error.type}: "
                     f"{report.error.message[:200]} (the documented error is ValueError)"
                 )
     return problems

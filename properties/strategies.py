@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pipemetrics.properties.profiles import Profile, is_wide
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.calls import (
+    NEW_GROUP,
     BroadcastCall,
     BufferSpec,
     CallSpec,
@@ -40,9 +41,11 @@ from pipemetrics.sim.layout import (
     WorldSpec,
 )
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.topology import broadcast_plan, places_for
 
 __all__ = [
+    "broadcast_call",
+    "broadcast_group",
     "broadcast_scenarios",
     "dtypes",
     "interleaved_scenarios",
@@ -62,6 +65,7 @@ __all__ = [
     "splits",
     "step_program",
     "steps_of",
+    "subgroup_roles",
     "synthetic_records",
     "tensor_shapes",
     "track_names_scenarios",
@@ -505,20 +509,27 @@ def world_roles(world: WorldSpec) -> list[str]:
     return [role for role, members in places_for(world)[0].groups.items() if members == everyone]
 
 
+SUBGROUP_ROLES: tuple[str, ...] = ("pp", "dp", "tp", "cp", "dp_cp", "tp_cp", "tp_dp_cp", "ep")
+"""Group roles drawn for a broadcast over several disjoint groups, the ones trainers broadcast
+over first (the last pipeline stage to the others, then data parallel)."""
+
+
+def subgroup_roles(world: WorldSpec) -> list[str]:
+    """Roles whose groups have at least 2 members but do not span the world: there several
+    groups broadcast at once, and a group rank differs from the global rank."""
+    groups = places_for(world)[0].groups
+    size = world.world_size
+    return [role for role in SUBGROUP_ROLES if 2 <= len(groups[role]) < size]
+
+
 BufferMode = Literal["mixed", "buffers", "invalid"]
 
 
-@st.composite
-def broadcast_call(
-    draw: st.DrawFn, world: WorldSpec, mode: BufferMode, semantic: Semantic = "seed"
-) -> BroadcastCall:
-    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input.
-    A non-contiguous source only under strict (the document does not promise one works)."""
-    size = world.world_size
-    src = draw(st.integers(0, size - 1))
-    shape = draw(tensor_shapes())
-    dtype = draw(dtypes())
-    receivers = [r for r in range(size) if r != src]
+def _receiver_inputs(
+    draw: st.DrawFn, receivers: list[int], shape: list[int], dtype: str, mode: BufferMode
+) -> tuple[dict[int, BufferSpec], bool]:
+    """(buffers, source_passes_none): valid buffers for some (``mixed``) or all (``buffers``,
+    ``invalid``) receivers; ``invalid`` then makes the sources pass None or some buffers wrong."""
     buffers: dict[int, BufferSpec] = {}
     for rank in receivers:
         if mode == "buffers" or draw(st.booleans()):
@@ -531,6 +542,74 @@ def broadcast_call(
             bad = draw(st.lists(st.sampled_from(receivers), min_size=1, unique=True))
             for rank in bad:
                 buffers[rank] = draw(invalid_buffer(shape, dtype))
+    return buffers, source_none
+
+
+@st.composite
+def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
+    """Where a broadcast over subgroups goes (generator class ``group_broadcast``): every group
+    of a role at once, each from its member at one group rank (pipeline groups first from their
+    last stage, as trainers do), or one ``new_group`` over drawn members from a global source.
+    The tensor and buffers are left at their defaults. Needs a world of at least 2 ranks."""
+    roles = subgroup_roles(world)
+    form = draw(st.sampled_from((["role"] if roles else []) + ["new_group"]))
+    if form == "role":
+        usual = [role for role in ("pp", "dp") if role in roles]
+        prefer_usual = bool(usual) and draw(st.booleans())
+        role = draw(st.sampled_from(usual if prefer_usual else roles))
+        size = len(places_for(world)[0].groups[role])
+        positions = ([-1] if role == "pp" else []) + list(range(size))
+        return BroadcastCall(group=role, src_group_rank=draw(st.sampled_from(positions)))
+    members = sorted(
+        draw(
+            st.lists(
+                st.integers(0, world.world_size - 1), min_size=2, max_size=world.world_size,
+                unique=True,
+            )
+        )
+    )  # fmt: skip
+    return BroadcastCall(group=NEW_GROUP, members=members, src_rank=draw(st.sampled_from(members)))
+
+
+@st.composite
+def broadcast_call(
+    draw: st.DrawFn,
+    world: WorldSpec,
+    mode: BufferMode,
+    semantic: Semantic = "seed",
+    *,
+    groups: bool = False,
+) -> BroadcastCall:
+    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input.
+    A non-contiguous source only under strict (the document does not promise one works).
+
+    Without ``groups`` the group spans the whole world (a group rank is the global rank);
+    with ``groups`` (generator class ``group_broadcast``) also `broadcast_group`'s subgroups.
+    """
+    size = world.world_size
+    if groups and size >= 2 and draw(st.booleans()):
+        where = draw(broadcast_group(world))
+        plan = broadcast_plan(where, world)
+        sources = {role.source for role in plan.values()}
+        receivers = sorted(set(plan) - sources)
+        shape = draw(tensor_shapes())
+        dtype = draw(dtypes())
+        buffers, source_none = _receiver_inputs(draw, receivers, shape, dtype, mode)
+        return where.model_copy(
+            update={
+                "shape": shape,
+                "dtype": dtype,
+                "non_contiguous": semantic == "strict" and len(shape) >= 2 and draw(st.booleans()),
+                "fill_seed": draw(st.integers(0, 1000)),
+                "buffers": buffers,
+                "source_passes_none": source_none,
+            }
+        )
+    src = draw(st.integers(0, size - 1))
+    shape = draw(tensor_shapes())
+    dtype = draw(dtypes())
+    receivers = [r for r in range(size) if r != src]
+    buffers, source_none = _receiver_inputs(draw, receivers, shape, dtype, mode)
     return BroadcastCall(
         group=draw(st.sampled_from(world_roles(world))),
         src_rank=src,
@@ -547,10 +626,13 @@ def broadcast_call(
 def broadcast_scenarios(
     draw: st.DrawFn, profile: Profile, mode: BufferMode, semantic: Semantic = "seed"
 ) -> Scenario:
+    """One step of broadcasts (one with an invalid input; else 1-2, or 1-3 over subgroups: then
+    several sources in one step)."""
+    groups = profile.generates("group_broadcast")
     min_size = 1 if mode == "mixed" else 2
     world = draw(world_shapes(profile, min_size=min_size))
-    count = 1 if mode == "invalid" else draw(st.integers(1, 2))
-    calls = [draw(broadcast_call(world, mode, semantic)) for _ in range(count)]
+    count = 1 if mode == "invalid" else draw(st.integers(1, 3 if groups else 2))
+    calls = [draw(broadcast_call(world, mode, semantic, groups=groups)) for _ in range(count)]
     setup = Setup(world=world, layout=ModelLayout(num_layers=world.pp))
     return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=profile.deadline_s)
 

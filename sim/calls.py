@@ -6,7 +6,8 @@ Each model names the seed API function it calls in ``function`` (the discriminat
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -57,17 +58,38 @@ class BufferSpec(Frozen):
     """'default' is the group's device (cpu for gloo); anything else is used verbatim."""
 
 
-class BroadcastCall(Frozen):
-    """``broadcast_tensor(tensor, src_rank, group)`` over a Megatron group.
+NEW_GROUP = "new_group"
+"""`BroadcastCall.group` for a group made with ``torch.distributed.new_group`` over ``members``."""
 
-    The source tensor is filled deterministically from ``fill_seed``; ``non_contiguous`` makes it
+
+class BroadcastCall(Frozen):
+    """``broadcast_tensor(tensor, src_rank, group)`` over a Megatron group or a new group.
+
+    Which groups broadcast, and from where:
+
+    * ``group`` a role of `RankPlace.groups` (``world``, ``pp``, ``dp``, ``tp``, ``cp``,
+      ``dp_cp``, ``tp_cp``, ``tp_dp_cp``, ``ep``): each rank passes its own Megatron group of
+      that role. With ``src_group_rank`` every group of the role broadcasts at once, each from
+      its member at that group rank (negative counts from the end: ``-1`` is each pipeline
+      group's last stage, the trainers' pattern); otherwise only the group holding the global
+      ``src_rank`` broadcasts and the ranks outside it do not call.
+    * ``group="new_group"``: one group made with ``torch.distributed.new_group(members)`` (every
+      rank creates it, only its members call); the source is the global ``src_rank`` (or the
+      member at ``src_group_rank``).
+
+    ``src_rank`` is always a GLOBAL rank, as the API document says. The defaults (``world``,
+    ``src_rank`` 0) are the scenarios written before subgroups existed.
+
+    The source tensor is filled deterministically (`fill_seed_for`); ``non_contiguous`` makes it
     a transposed view (needs >= 2 dims). ``buffers`` maps a receiver's global rank to the buffer
-    it passes (absent: it passes None). ``source_passes_none`` makes the source pass None.
+    it passes (absent: it passes None). ``source_passes_none`` makes every source pass None.
     """
 
     function: Literal["broadcast_tensor"] = "broadcast_tensor"
     group: str = "world"
-    src_rank: int = 0
+    src_rank: int | None = 0
+    src_group_rank: int | None = None
+    members: list[Annotated[int, Field(ge=0)]] | None = None
     shape: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [4])
     dtype: str = "float32"
     non_contiguous: bool = False
@@ -75,11 +97,62 @@ class BroadcastCall(Frozen):
     buffers: dict[int, BufferSpec] = Field(default_factory=dict)
     source_passes_none: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _source_by_position(cls, data: Any) -> Any:
+        """``src_group_rank`` given without ``src_rank``: the default source 0 does not apply."""
+        if isinstance(data, dict) and data.get("src_group_rank") is not None:
+            data = {"src_rank": None, **data}
+        return data
+
     @model_validator(mode="after")
-    def _transposable(self) -> BroadcastCall:
+    def _consistent(self) -> BroadcastCall:
         if self.non_contiguous and len(self.shape) < 2:
             raise ValueError("non_contiguous: a transposed source needs at least 2 dimensions")
+        if (self.src_rank is None) == (self.src_group_rank is None):
+            raise ValueError(
+                "src_rank / src_group_rank: give exactly one (a global source rank, or the "
+                "source's rank within each group)"
+            )
+        if self.src_rank is not None and self.src_rank < 0:
+            raise ValueError(f"src_rank: {self.src_rank} is not a global rank")
+        if self.group == NEW_GROUP:
+            if not self.members:
+                raise ValueError("members: a new_group needs its member ranks")
+            if any(b <= a for a, b in zip(self.members, self.members[1:], strict=False)):
+                raise ValueError(f"members: {self.members} must be strictly increasing")
+            if self.src_rank is not None and self.src_rank not in self.members:
+                raise ValueError(f"src_rank: {self.src_rank} is not one of members {self.members}")
+            if self.src_group_rank is not None and not (
+                -len(self.members) <= self.src_group_rank < len(self.members)
+            ):
+                raise ValueError(
+                    f"src_group_rank: {self.src_group_rank} outside a group of "
+                    f"{len(self.members)} members"
+                )
+        elif self.members is not None:
+            raise ValueError(f"members: only a new_group has members (group is {self.group!r})")
         return self
+
+    def group_of(self, groups: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+        """The members of the group a rank passes, given that rank's groups by role."""
+        if self.group == NEW_GROUP:
+            assert self.members is not None
+            return tuple(self.members)
+        return tuple(groups[self.group])
+
+    def source_in(self, members: Sequence[int]) -> int | None:
+        """The global source rank of the group ``members``, or None when it does not broadcast."""
+        if self.src_group_rank is not None:
+            if -len(members) <= self.src_group_rank < len(members):
+                return members[self.src_group_rank]
+            return None
+        return self.src_rank if self.src_rank in members else None
+
+    def fill_seed_for(self, source: int) -> int:
+        """The seed of the tensor global rank ``source`` sends: with several sources at once each
+        group's tensor differs (a receiver must get its own group's), else ``fill_seed``."""
+        return self.fill_seed if self.src_group_rank is None else self.fill_seed + 7919 * source
 
 
 class TrackNamesCall(Frozen):

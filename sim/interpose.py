@@ -107,6 +107,27 @@ def call_site(limit: int = 4) -> tuple[str, ...]:
     return tuple(frames)
 
 
+def invalid_root(arguments: dict[str, Any], ranks: tuple[int, ...]) -> str | None:
+    """Why the root of a rooted collective is not a member of its group, or None.
+
+    torch takes the root either as ``src``/``dst`` (a global rank) or as ``group_src``/
+    ``group_dst`` (the rank within the group). It refuses a global root outside the group
+    (``get_group_rank``: ValueError) and gloo a group rank out of range (``invalid root rank``)
+    on the calling rank, before communicating: such a call is not gated (it is ``rejected``)
+    and raises torch's own error, as in a real world, instead of being released into a
+    collective its peers would then be reported stuck in.
+    """
+    for name in ("src", "dst"):
+        root = arguments.get(name)
+        if isinstance(root, int) and root not in ranks:
+            return f"{name}={root} is not a member of the group {list(ranks)}"
+    for name in ("group_src", "group_dst"):
+        root = arguments.get(name)
+        if isinstance(root, int) and not 0 <= root < len(ranks):
+            return f"{name}={root} is out of range for a group of {len(ranks)}"
+    return None
+
+
 class Interposer:
     """Installs gated wrappers on the torch.distributed collectives of this process.
 
@@ -156,7 +177,7 @@ class Interposer:
             call = self._describe(op, signature, args, kwargs)
             self.calls.append(call)
             index = len(self.calls) - 1
-            if call.outcome == "not-member":
+            if call.outcome in ("not-member", "rejected"):
                 return original(*args, **kwargs)
             if call.outcome == "pending" and self.gate is not None:
                 try:
@@ -197,9 +218,11 @@ class Interposer:
             for name, value in bound.arguments.items()
             if name not in _IGNORED_ARGS and (value is not None or name in _ROOT_ARGS)
         )
-        outcome: Literal["pending", "local", "not-member"]
+        outcome: Literal["pending", "local", "not-member", "rejected"]
         if self.rank not in ranks:
             outcome = "not-member"
+        elif invalid_root(bound.arguments, ranks) is not None:
+            outcome = "rejected"
         elif len(ranks) == 1:
             outcome = "local"
         else:
@@ -222,4 +245,4 @@ def installed_wrappers() -> list[str]:
     return [n for n in COLLECTIVES if hasattr(getattr(dist, n, None), "__wrapped__")]
 
 
-__all__ = ["COLLECTIVES", "Gate", "Interposer", "call_site", "installed_wrappers"]
+__all__ = ["COLLECTIVES", "Gate", "Interposer", "call_site", "installed_wrappers", "invalid_root"]

@@ -34,7 +34,9 @@ class CollectiveCall(Frozen):
     """Monotonic time the rank reached the collective."""
     seconds: float | None = None
     """Time the real collective took once released (None: never ran)."""
-    outcome: Literal["pending", "ran", "aborted", "local", "not-member", "failed"] = "pending"
+    outcome: Literal["pending", "ran", "aborted", "local", "not-member", "rejected", "failed"] = (
+        "pending"
+    )
 
     def describe(self) -> str:
         sig = ", ".join(f"{k}={v}" for k, v in self.signature)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from pipemetrics.sim.calls import (
+    NEW_GROUP,
     BroadcastCall,
     CallSpec,
     MoeCall,
@@ -52,6 +53,7 @@ from pipemetrics.sim.protocol import (
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.target import TargetLoadError, call_with_accepted, load_target
+from pipemetrics.sim.topology import BroadcastRole
 from pipemetrics.sim.trackers import (
     GroupsByRole,
     apply_moe_records,
@@ -123,6 +125,9 @@ class RankServer:
         self.groups = groups
         self.place = place_of(rank, groups)
         self.interposer = Interposer(rank, self._gate)
+        self.new_groups: dict[tuple[int, ...], Any] = {}
+        """The current task's ``new_group`` groups by members (a non-member holds torch's
+        ``GroupMember.NON_GROUP_MEMBER``); destroyed when the task ends."""
 
     def _gate(self, call: CollectiveCall) -> None:
         assert self.conn is not None, "a gated task needs a controller connection"
@@ -146,10 +151,17 @@ class RankServer:
 
     def run(self, task: Task) -> Done:
         self.interposer.gate = self._gate if task.gate else None
+        try:
+            return self._run(task)
+        finally:
+            self._destroy_new_groups()
+
+    def _run(self, task: Task) -> Done:
         reports: list[CallReport] = []
         try:
             scenario = Scenario.model_validate_json(task.scenario_json)
             reset_trackers()
+            self._create_new_groups(scenario)
             try:
                 target = load_target(scenario.target)
             except TargetLoadError as exc:
@@ -160,6 +172,8 @@ class RankServer:
                 for step_index, step in enumerate(scenario.steps):
                     fill(step_index, step)
                     for call_index, spec in enumerate(step.calls):
+                        if isinstance(spec, BroadcastCall) and self._broadcast_role(spec) is None:
+                            continue  # outside every broadcasting group: this rank does not call
                         report = self._invoke(
                             target, scenario, spec, step_index, call_index, totals
                         )
@@ -274,17 +288,50 @@ class RankServer:
             return {"model_config": build_transformer_config(setup)}
         return {"value": spec.value, "multiple": spec.multiple}
 
+    # -- broadcast groups ---------------------------------------------------------------------
+
+    def _create_new_groups(self, scenario: Scenario) -> None:
+        """Create the task's ``new_group`` groups, before any call: every rank of the world
+        creates every one (torch requires it, even of non-members), in the same order (first
+        appearance in the scenario), so that their names agree across ranks."""
+        for step in scenario.steps:
+            for spec in step.calls:
+                if isinstance(spec, BroadcastCall) and spec.group == NEW_GROUP:
+                    assert spec.members is not None
+                    members = tuple(spec.members)
+                    if members not in self.new_groups:
+                        self.new_groups[members] = dist.new_group(ranks=list(members))
+
+    def _destroy_new_groups(self) -> None:
+        """Destroy the task's new groups (local: no collective), so none outlives its task."""
+        groups, self.new_groups = self.new_groups, {}
+        for group in groups.values():
+            dist.destroy_process_group(group)
+
+    def _broadcast_role(self, spec: BroadcastCall) -> BroadcastRole | None:
+        """This rank's group and its source for ``spec``; None when this rank does not call."""
+        members = spec.group_of(self.place.groups)
+        source = spec.source_in(members)
+        if self.rank not in members or source is None:
+            return None
+        return BroadcastRole(members, source)
+
     def _broadcast_arguments(self, spec: BroadcastCall) -> dict[str, Any]:
-        group = self.groups[spec.group]
+        role = self._broadcast_role(spec)
+        assert role is not None, "only a rank of a broadcasting group calls"
+        group = (
+            self.new_groups[role.members] if spec.group == NEW_GROUP else self.groups[spec.group]
+        )
         tensor: torch.Tensor | None = None
-        if self.rank == spec.src_rank:
+        if self.rank == role.source:
             if not spec.source_passes_none:
-                tensor = make_tensor(spec.shape, spec.dtype, spec.fill_seed, spec.non_contiguous)
+                seed = spec.fill_seed_for(role.source)
+                tensor = make_tensor(spec.shape, spec.dtype, seed, spec.non_contiguous)
         elif self.rank in spec.buffers:
             buf = spec.buffers[self.rank]
             device = "cpu" if buf.device == "default" else buf.device
             tensor = torch.zeros(buf.shape, dtype=getattr(torch, buf.dtype), device=device)
-        return {"tensor": tensor, "src_rank": spec.src_rank, "group": group}
+        return {"tensor": tensor, "src_rank": role.source, "group": group}
 
     @staticmethod
     def _call(function: Callable[..., Any], spec: CallSpec, arguments: dict[str, Any]) -> Any:

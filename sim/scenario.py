@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, model_validator
 from pipemetrics.sim.calls import BroadcastCall, CallSpec
 from pipemetrics.sim.layout import Frozen, Setup
 from pipemetrics.sim.records import StepRecords
+from pipemetrics.sim.topology import broadcast_problems
 
 DEFAULT_TARGET = "pipemetrics.reference"
 
@@ -47,6 +48,13 @@ class Scenario(Frozen):
         for i, step in enumerate(self.steps):
             if self.mode == "router" and step.records is not None:
                 raise ValueError(f"steps[{i}].records: router mode records through the routers")
+            for j, call in enumerate(step.calls):
+                if isinstance(call, BroadcastCall):
+                    problems = broadcast_problems(call, self.setup.world)
+                    if problems:
+                        raise ValueError(
+                            "; ".join(f"steps[{i}].calls[{j}].{problem}" for problem in problems)
+                        )
             records = step.records
             if records is None:
                 continue
@@ -56,9 +64,6 @@ class Scenario(Frozen):
                     raise ValueError(
                         f"steps[{i}].records.{kind}: ranks {bad} outside a world of {world}"
                     )
-            for call in step.calls:
-                if isinstance(call, BroadcastCall) and not 0 <= call.src_rank < world:
-                    raise ValueError(f"steps[{i}]: src_rank {call.src_rank} outside the world")
         return self
 
 

@@ -18,7 +18,9 @@ agree.
 from __future__ import annotations
 
 from itertools import product
+from typing import NamedTuple
 
+from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.records import RankPlace, Ranks
 
@@ -113,3 +115,52 @@ def places_for(world: WorldSpec) -> dict[int, RankPlace]:
     tp_dp_cp, ep.
     """
     return {rank: place_of(world, rank) for rank in range(world.world_size)}
+
+
+class BroadcastRole(NamedTuple):
+    """What one rank does in a `BroadcastCall`: the members of the group it passes, and that
+    group's global source rank."""
+
+    members: Ranks
+    source: int
+
+
+def broadcast_plan(call: BroadcastCall, world: WorldSpec) -> dict[int, BroadcastRole]:
+    """Every rank that calls ``broadcast_tensor`` for ``call``, with its group and source.
+
+    Ranks absent from the result do not call: those outside a new_group, and those whose group
+    of the role does not broadcast (only the group holding a global ``src_rank`` does).
+    """
+    plan: dict[int, BroadcastRole] = {}
+    for rank, place in places_for(world).items():
+        members = call.group_of(place.groups)
+        source = call.source_in(members)
+        if rank in members and source is not None:
+            plan[rank] = BroadcastRole(members, source)
+    return plan
+
+
+def broadcast_problems(call: BroadcastCall, world: WorldSpec) -> list[str]:
+    """Why ``call`` cannot run in ``world`` (each problem names the field), or nothing."""
+    size = world.world_size
+    if call.group != NEW_GROUP and call.group not in GROUP_ROLES:
+        return [
+            f"group: {call.group!r} is neither a group role ({', '.join(GROUP_ROLES)}) nor "
+            f"{NEW_GROUP!r}"
+        ]
+    problems = []
+    if call.src_rank is not None and call.src_rank >= size:
+        problems.append(f"src_rank: {call.src_rank} outside a world of {size}")
+    if call.members is not None and max(call.members) >= size:
+        problems.append(f"members: {call.members} outside a world of {size}")
+    if call.src_group_rank is not None and call.group != NEW_GROUP:
+        group_size = len(place_of(world, 0).groups[call.group])
+        if not -group_size <= call.src_group_rank < group_size:
+            problems.append(
+                f"src_group_rank: {call.src_group_rank} outside the {call.group} groups of "
+                f"{group_size} ranks"
+            )
+    outside = sorted(set(call.buffers) - set(broadcast_plan(call, world)) if not problems else ())
+    if outside:
+        problems.append(f"buffers: ranks {outside} do not call this broadcast")
+    return problems

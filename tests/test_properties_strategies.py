@@ -27,7 +27,7 @@ from pipemetrics.sim.records import (
     router_reduction,
 )
 from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.topology import broadcast_plan, places_for
 
 CI = PROFILES["ci"]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -172,7 +172,8 @@ def test_invalid_broadcasts_have_an_invalid_input(scenario: Scenario) -> None:
 def test_buffer_broadcasts_give_every_receiver_a_valid_buffer(scenario: Scenario) -> None:
     for call in scenario.steps[0].calls:
         assert isinstance(call, BroadcastCall)
-        receivers = set(range(scenario.setup.world.world_size)) - {call.src_rank}
+        plan = broadcast_plan(call, scenario.setup.world)  # subgroups: each its own source
+        receivers = set(plan) - {role.source for role in plan.values()}
         assert set(call.buffers) == receivers
         assert all(b.shape == call.shape and b.dtype == call.dtype for b in call.buffers.values())
 

@@ -590,6 +590,39 @@ _MUTANTS: list[Mutant] = [
         sim_verdict=None,
     ),
     Mutant(
+        name="broadcast_global_src_as_group_src",
+        description=(
+            "broadcast_tensor passes the GLOBAL src_rank as torch's group_src (the root's rank "
+            "within the group: torch >= 2.6 takes either src, global, or group_src), as a port "
+            "to the group-relative root easily does. Over a group that spans the world the two "
+            "coincide, so broadcasts over world-spanning groups pass. Over a subgroup they "
+            "differ: new_group [1, 2, 3] with source 2 roots the broadcast at group rank 2, "
+            "global rank 3, a receiver, so the receivers get rank 3's uninitialised tensor "
+            "(wrong values, the world stays healthy); each pipeline group [c, c + 2] of pp=2 x "
+            "dp=2 broadcasting from its last stage (global 2 or 3) passes a group rank out of "
+            "range and every member raises inside the broadcast. Scenario: 4 ranks, a "
+            "new_group over ranks 1-3, source 2."
+        ),
+        edits=(
+            (
+                "        dist.broadcast(send, src=src_rank, group=group)\n",
+                "        dist.broadcast(send, group_src=src_rank, group=group)\n",
+            ),
+            (
+                "        dist.broadcast(out, src=src_rank, group=group)\n",
+                "        dist.broadcast(out, group_src=src_rank, group=group)\n",
+            ),
+            (
+                "        dist.broadcast(recv, src=src_rank, group=group)\n",
+                "        dist.broadcast(recv, group_src=src_rank, group=group)\n",
+            ),
+        ),
+        fails=("broadcast.roundtrip", "broadcast.receiver_buffer"),
+        functions=("broadcast_tensor",),
+        sim_verdict=None,
+        caught_by_classes=("group_broadcast",),
+    ),
+    Mutant(
         name="broadcast_dtype_type_error",
         description=(
             "A receiver buffer with the wrong dtype is reported as TypeError instead of the "

@@ -161,11 +161,21 @@ class FakeDist:
 
     ReduceOp = dist.ReduceOp
 
-    def __init__(self, rank: int, world: int, peers: dict[int, Any] | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        peers: dict[int, Any] | None = None,
+        ranks: list[int] | None = None,
+    ) -> None:
         self.rank = rank
         self.world = world
         self.peers = peers or {}
+        self.ranks = list(range(world)) if ranks is None else ranks
+        """The members of the group passed (global ranks); ``peers`` is keyed by group rank."""
         self.calls: list[str] = []
+        self.roots: list[int | str] = []
+        """The global root of each broadcast entered."""
         self.group = SimpleNamespace(WORLD=None)
 
     def is_available(self) -> bool:
@@ -184,15 +194,30 @@ class FakeDist:
         return "gloo"
 
     def get_process_group_ranks(self, group: Any) -> list[int]:
-        return list(range(self.world))
+        return list(self.ranks)
 
     def all_gather_object(self, out: list[Any], obj: Any, group: Any = None) -> None:
         self.calls.append("all_gather_object")
+        me = self.ranks.index(self.rank)
         for i in range(len(out)):
-            out[i] = obj if i == self.rank else self.peers.get(i, obj)
+            out[i] = obj if i == me else self.peers.get(i, obj)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    def broadcast(
+        self,
+        tensor: torch.Tensor,
+        src: int | None = None,
+        group: Any = None,
+        group_src: int | None = None,
+    ) -> None:
+        """torch's signature: ``src`` is a global rank, ``group_src`` a rank within the group."""
         self.calls.append("broadcast")
+        if group_src is None:
+            assert src is not None
+            self.roots.append(src)
+        elif 0 <= group_src < len(self.ranks):
+            self.roots.append(self.ranks[group_src])
+        else:
+            self.roots.append(f"group rank {group_src} out of range")
 
 
 def fake_parallel_state(**overrides: Any) -> SimpleNamespace:
@@ -426,6 +451,20 @@ def _broadcast_wrong_dtype(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return "returned", fake.calls
 
 
+def _broadcast_subgroup_roots(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Global rank 3, the source (last stage) of pipeline group [1, 3]; then global rank 1, a
+    # receiver passing None in new_group [1, 2, 3] whose source is global rank 2 (group rank 1).
+    roots = []
+    fake = FakeDist(3, 4, ranks=[1, 3])
+    mp.setattr(m, "dist", fake)
+    m.broadcast_tensor(torch.zeros(3), 3, object())
+    roots += fake.roots
+    fake = FakeDist(1, 4, {1: ("src", (3,), "torch.float32")}, ranks=[1, 2, 3])
+    mp.setattr(m, "dist", fake)
+    m.broadcast_tensor(None, 2, object())
+    return roots + fake.roots
+
+
 def _placeholder_dp_avg(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # This rank (1 of 2) recorded only z_loss; rank 0 recorded AUX with the router's
     # needs_dp_avg=True. The reduction must treat this rank's AUX placeholder alike.
@@ -619,6 +658,11 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         _broadcast_into_buffer,
         (True, ["all_gather_object", "broadcast"]),
         (False, ["all_gather_object", "broadcast"]),  # the caller's buffer is left alone
+    ),
+    "broadcast_global_src_as_group_src": (
+        _broadcast_subgroup_roots,
+        [3, 2],
+        ["group rank 3 out of range", 3],  # a non-member root; a receiver as the root
     ),
     "broadcast_dtype_type_error": (
         _broadcast_wrong_dtype,
