@@ -62,7 +62,7 @@ def _moe(**kwargs: object) -> ScenarioStrategy:
 
 
 def _mtp(**kwargs: object) -> ScenarioStrategy:
-    return lambda profile, semantic: s.mtp_scenarios(profile, **kwargs)  # type: ignore[arg-type]
+    return lambda profile, semantic: s.mtp_scenarios(profile, semantic, **kwargs)  # type: ignore[arg-type]
 
 
 MOE = "get_moe_metrics"

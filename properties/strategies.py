@@ -20,8 +20,10 @@ from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.calls import (
     BroadcastCall,
     BufferSpec,
+    LossScaleForm,
     MoeCall,
     MtpCall,
+    MtpLossScaleForm,
     RoundUpCall,
     TrackNamesCall,
 )
@@ -37,6 +39,7 @@ from pipemetrics.sim.layout import (
     StageSplit,
     WorldSpec,
 )
+from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import places_for
 
@@ -45,6 +48,7 @@ __all__ = [
     "dtypes",
     "invalid_buffer",
     "layouts",
+    "loss_scale_forms",
     "loss_scales",
     "moe_call",
     "moe_patterns",
@@ -186,15 +190,81 @@ def setups(
 
 LOSS_SCALES: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 1.0 / 3.0, 1e-3, 2.0, 0.0)
 """Fixed loss scales drawn besides ``1/num_microbatches`` (1.0 first: shrinking goes there)."""
+LARGE_LOSS_SCALES: tuple[float, ...] = (2.0**16, 1e6, 1e30)
+"""Very large scales (generator class ``argument_forms``): fp16's loss-scaler range, and far
+beyond; a step with one records no loss from the huge band (the product would overflow the
+float32 tracker values any implementation scales)."""
+LARGEST_ORDINARY_SCALE = max(LOSS_SCALES)
+"""Scales above this magnitude are `LARGE_LOSS_SCALES`."""
 
 
-def loss_scales(microbatches: int, *, allow_one: bool = True) -> st.SearchStrategy[float]:
-    """``1/num_microbatches`` as trainers pass it, and other scales (zero included)."""
+def loss_scales(
+    microbatches: int, *, allow_one: bool = True, large: bool = False
+) -> st.SearchStrategy[float]:
+    """``1/num_microbatches`` as trainers pass it, and other scales (zero included); with
+    ``large`` also `LARGE_LOSS_SCALES`."""
     scales = [scale for scale in LOSS_SCALES if allow_one or scale != 1.0]
+    if large:
+        scales += LARGE_LOSS_SCALES
     pick = st.sampled_from(scales)
     if allow_one or microbatches > 1:
         return st.one_of(st.just(1.0 / microbatches), pick)
     return pick
+
+
+SEED_LOSS_SCALE_FORMS: tuple[LossScaleForm, ...] = ("float", "numpy.float64")
+"""``loss_scale: float`` in the document: a Python float, or a numpy float64, a subclass of
+``float``."""
+STRICT_LOSS_SCALE_FORMS: tuple[LossScaleForm, ...] = (
+    *SEED_LOSS_SCALE_FORMS,
+    "tensor.float32",
+    "numpy.float32",
+    "tensor.float64",
+)
+"""Also what trainers pass that is not a ``float``: a 0-d tensor (``torch.tensor(1 / n)``) and a
+numpy float32; the reference promises the same results for every form (strict only)."""
+
+
+def loss_scale_forms(
+    semantic: Semantic, *, default: bool = False
+) -> st.SearchStrategy[MtpLossScaleForm]:
+    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.calls.LossScaleForm`);
+    ``default``: also no argument at all (``get_mtp_metrics()``, whose default the document
+    gives)."""
+    forms: list[MtpLossScaleForm] = list(
+        STRICT_LOSS_SCALE_FORMS if semantic == "strict" else SEED_LOSS_SCALE_FORMS
+    )
+    if default:
+        forms.append("default")
+    return st.sampled_from(forms)
+
+
+@st.composite
+def scaled_steps(
+    draw: st.DrawFn,
+    setup: Setup,
+    count: int,
+    *,
+    allow_one: bool,
+    forms: bool,
+    sign: float,
+) -> list[tuple[float, StepRecords]]:
+    """``count`` steps' (loss_scale, records). With ``forms`` (generator class
+    ``argument_forms``) the scales include `LARGE_LOSS_SCALES` (then without huge losses) and
+    take ``sign``, one sign per scenario so that ``total_loss_dict`` sums never cancel."""
+    steps = []
+    for _ in range(count):
+        scale = sign * draw(
+            loss_scales(setup.layout.microbatches, allow_one=allow_one, large=forms)
+        )
+        values = recorded_values(huge=False) if abs(scale) > LARGEST_ORDINARY_SCALE else None
+        steps.append((scale, draw(synthetic_records(setup, values=values))))
+    return steps
+
+
+SCALE_SIGNS = st.sampled_from([1.0, -1.0])
+"""The sign of every scale of a scenario (``argument_forms``: the document does not forbid a
+negative scale; the result is then just scaled)."""
 
 
 # -- MoE / MTP scenarios -----------------------------------------------------------------------
@@ -288,8 +358,13 @@ def moe_scenarios(
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
     steps = []
     num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
-    for _ in range(count):
-        scale = draw(loss_scales(layout.microbatches, allow_one=scale_one))
+    forms = profile.generates("argument_forms")
+    form: MtpLossScaleForm = draw(loss_scale_forms(semantic)) if forms else "float"
+    assert form != "default"
+    sign = draw(SCALE_SIGNS) if forms else 1.0
+    for scale, records in draw(
+        scaled_steps(setup, count, allow_one=scale_one, forms=forms, sign=sign)
+    ):
         call = moe_call(
             layout,
             semantic,
@@ -301,9 +376,10 @@ def moe_scenarios(
                 "num_layers": num_layers,
                 "mtp_num_layers": mtp_num_layers,
                 "track_names": track_names,
+                "loss_scale_form": form,
             }
         )
-        steps.append(Step(records=draw(synthetic_records(setup)), calls=[call]))
+        steps.append(Step(records=records, calls=[call]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 
@@ -311,20 +387,34 @@ def moe_scenarios(
 def mtp_scenarios(
     draw: st.DrawFn,
     profile: Profile,
+    semantic: Semantic = "seed",
     *,
     min_steps: int = 1,
     max_steps: int = 1,
     scale_one: bool = True,
 ) -> Scenario:
-    """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank."""
+    """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank.
+
+    With the generator class ``argument_forms``: ``loss_scale`` in every form of `loss_scale_forms`
+    (``get_mtp_metrics()`` without an argument where a scale of 1 is allowed), negative and
+    very large scales."""
     setup = draw(setups(profile, min_mtp=1))
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
+    forms = profile.generates("argument_forms")
+    form: MtpLossScaleForm = (
+        draw(loss_scale_forms(semantic, default=scale_one)) if forms else "float"
+    )
+    sign = draw(SCALE_SIGNS) if forms and form != "default" else 1.0
     steps = []
-    for _ in range(count):
-        scale = draw(loss_scales(setup.layout.microbatches, allow_one=scale_one))
-        steps.append(
-            Step(records=draw(synthetic_records(setup)), calls=[MtpCall(loss_scale=scale)])
+    for scale, records in draw(
+        scaled_steps(setup, count, allow_one=scale_one, forms=forms, sign=sign)
+    ):
+        call = (
+            MtpCall(loss_scale_form="default")
+            if form == "default"
+            else MtpCall(loss_scale=scale, loss_scale_form=form)
         )
+        steps.append(Step(records=records, calls=[call]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 

@@ -14,7 +14,9 @@ from pydantic import Field, model_validator
 
 from pipemetrics.sim.layout import Frozen
 
-LossScaleForm = Literal["float", "numpy.float64", "numpy.float32", "tensor.float32", "tensor.float64"]
+LossScaleForm = Literal[
+    "float", "numpy.float64", "numpy.float32", "tensor.float32", "tensor.float64"
+]
 """The Python object a rank passes as ``loss_scale``: a Python float, a numpy scalar
 (``numpy.float64(x)``, ``numpy.float32(x)``) or a 0-d CPU/CUDA tensor (``torch.tensor(x,
 dtype=...)``), built inside the rank from ``loss_scale``."""
@@ -46,11 +48,9 @@ def check_form(loss_scale: float, form: str) -> None:
             f"loss_scale_form 'default' calls get_mtp_metrics() without an argument, whose "
             f"default is 1.0; loss_scale must be 1.0, got {loss_scale!r}"
         )
-    if form.endswith("float32") and math.isfinite(loss_scale):
-        if not math.isfinite(float32_value(loss_scale)):
-            raise ValueError(
-                f"loss_scale {loss_scale!r} overflows float32 (loss_scale_form {form!r})"
-            )
+    finite = math.isfinite(loss_scale)
+    if form.endswith("float32") and finite and not math.isfinite(float32_value(loss_scale)):
+        raise ValueError(f"loss_scale {loss_scale!r} overflows float32 (loss_scale_form {form!r})")
 
 
 class MoeCall(Frozen):
