@@ -1,8 +1,8 @@
 """Hypothesis strategies for the conformance suite, composed from small named pieces.
 
 Pieces: `world_shapes`, `splits`, `moe_patterns`, `routing_configs`, `layouts`,
-`setups`, `loss_scales`, `loss_scale_forms`, `synthetic_records` (re-exported from `pipemetrics.properties.synthetic`),
-and the broadcast pieces `dtypes`, `tensor_shapes`, `valid_buffer`, `invalid_buffer`.
+`setups`, `loss_scales`, `loss_scale_forms`, `synthetic_records` (re-exported from
+`pipemetrics.properties.synthetic`), and the broadcast pieces `dtypes`, `tensor_shapes`, `valid_buffer`, `invalid_buffer`.
 Scenario strategies (one per property family) put them together: `moe_scenarios`,
 `mtp_scenarios`, `router_scenarios`, `broadcast_scenarios`, `track_names_scenarios`,
 `round_up_scenarios`. Every scenario uses the default target; the runner substitutes the target
