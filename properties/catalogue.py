@@ -18,7 +18,16 @@ Semantic profiles:
   layers, passed as ``num_moe_layers``).
 * ``strict``: ``seed`` plus the guarantees of pipemetrics' reference: collective safety for every
   argument form (partial or absent ``track_names``, ``num_layers=None``), errors raised on every
-  rank, non-contiguous sources, z-loss in the name list.
+  rank, non-contiguous sources, z-loss in the name list, ``loss_scale`` in every form trainers
+  pass.
+
+``loss_scale`` forms (generator class ``argument_forms``), decided by `DOC_LOSS_SCALE_TYPE`: the
+document types ``loss_scale: float`` and does not bound it, so every profile passes a Python
+float or a numpy float64 (a subclass of ``float``), zero, negative and very large values, and
+``get_mtp_metrics()`` without an argument (``loss_scale: float = 1.0``). A 0-d tensor
+(``torch.tensor(1 / n)``) and a numpy float32 are not ``float``s: only ``strict`` passes them,
+where the reference promises the same results for every form (issue 12, section 3). The
+``loss_scale`` properties cite the type along with the sentence they enforce.
 
 In Markdown the document's key templates lost their underscores (``mtp_{i}loss``,
 ``moe/{name}layer{i}``); the keys are Megatron-LM's ``mtp_{i}_loss``,
@@ -68,7 +77,7 @@ def _moe(**kwargs: object) -> ScenarioStrategy:
 
 
 def _mtp(**kwargs: object) -> ScenarioStrategy:
-    return lambda profile, semantic: s.mtp_scenarios(profile, **kwargs)  # type: ignore[arg-type]
+    return lambda profile, semantic: s.mtp_scenarios(profile, semantic, **kwargs)  # type: ignore[arg-type]
 
 
 MOE = "get_moe_metrics"
@@ -96,6 +105,11 @@ DOC_MTP_SCALE = (
     "MTPLossLoggingHelper accumulates the per-microbatch loss across microbatches without "
     'dividing, so callers must pass 1/num_microbatches to recover the mean." / "Acceptance rate '
     'is a ratio of counts and is not scaled."'
+)
+DOC_LOSS_SCALE_TYPE = (
+    '"get_moe_metrics(loss_scale: float, ...)" / "get_mtp_metrics(loss_scale: float = 1.0)": any '
+    "float (numpy.float64 is one), of any sign and size, or no argument for get_mtp_metrics "
+    "(strict: also a 0-d tensor and a numpy float32, the reference's promise)"
 )
 MEGATRON_CLEARS = (
     "Megatron-LM's training_log reports once per step and clears the trackers afterwards "
@@ -168,7 +182,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.no_hang",
         MOE,
         "every rank returns: no hang, crash, mismatched collective or exception",
-        DOC_PREINIT,
+        DOC_PREINIT + "; for every argument the signature allows: " + DOC_LOSS_SCALE_TYPE,
         _moe(),
         j.checked(j.no_problems),
     ),
@@ -211,7 +225,8 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.loss_scale",
         MOE,
         "means and per-layer values are scaled by loss_scale exactly once",
-        '"loss_scale - Scale factor to apply to each auxiliary loss (e.g., 1/num_microbatches)."',
+        '"loss_scale - Scale factor to apply to each auxiliary loss (e.g., 1/num_microbatches)." / '
+        + DOC_LOSS_SCALE_TYPE,
         _moe(per_layer=True, scale_one=False),
         j.checked(j.moe_loss_scale),
     ),
@@ -245,7 +260,8 @@ CATALOGUE: tuple[Property, ...] = (
         "every rank returns: no hang, crash, mismatched collective or exception",
         '"This function reduces MTP metrics across ranks and returns a dictionary of metrics." '
         "(Megatron's MTP reduction has no pipeline collective: ranks without MTP layers hold no "
-        "tracker and take part in none)",
+        "tracker and take part in none), for every argument the signature allows: "
+        + DOC_LOSS_SCALE_TYPE,
         _mtp(),
         j.checked(j.no_problems),
     ),
@@ -262,7 +278,7 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.loss_scale",
         MTP,
         "mtp_{i}_loss is the reduced loss scaled by loss_scale exactly once",
-        DOC_MTP_SCALE,
+        DOC_MTP_SCALE + " / " + DOC_LOSS_SCALE_TYPE,
         _mtp(scale_one=False),
         j.checked(j.mtp_loss_scale),
     ),

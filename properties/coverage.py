@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from pipemetrics.properties.profiles import GENERATOR_CLASSES, is_wide
+from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
 from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario
@@ -113,6 +114,30 @@ def broadcast_features(call: BroadcastCall, world: WorldSpec) -> list[str]:
     return found
 
 
+def loss_scale_features(call: MoeCall | MtpCall) -> list[str]:
+    """How ``loss_scale`` was passed: its form (``loss_scale=numpy``, ``loss_scale=tensor``,
+    ``mtp_default``: ``get_mtp_metrics()``) and value (0, negative, large)."""
+    found = []
+    form = call.loss_scale_form
+    if form == "default":
+        found.append("mtp_default")
+    elif form != "float":
+        found.append(f"loss_scale={form.partition('.')[0]}")
+    if call.loss_scale == 0:
+        found.append("loss_scale=0")
+    elif call.loss_scale < 0:
+        found.append("loss_scale<0")
+    if abs(call.loss_scale) > LARGEST_ORDINARY_SCALE:
+        found.append("loss_scale_large")
+    return found
+
+
+def uses_new_argument_form(call: MoeCall | MtpCall) -> bool:
+    """Whether a call passes ``loss_scale`` in a form of the generator class ``argument_forms``
+    (anything but a Python float between 0 and `LARGEST_ORDINARY_SCALE`)."""
+    return call.loss_scale_form != "float" or not 0 <= call.loss_scale <= LARGEST_ORDINARY_SCALE
+
+
 def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
     """The argument forms of a ``get_moe_metrics`` call (strict generates them all)."""
     found = []
@@ -193,6 +218,8 @@ def generator_classes(scenario: Scenario) -> set[str]:
     calls = [call for step in scenario.steps for call in step.calls]
     if any(isinstance(c, BroadcastCall) and is_group_broadcast(c, world) for c in calls):
         found.add("group_broadcast")
+    if any(isinstance(c, MoeCall | MtpCall) and uses_new_argument_form(c) for c in calls):
+        found.add("argument_forms")
     return found
 
 
@@ -212,7 +239,9 @@ def features(scenario: Scenario) -> list[str]:
         if isinstance(call, BroadcastCall):
             found += broadcast_features(call, world)
         elif isinstance(call, MoeCall):
-            found += moe_call_features(scenario.setup, call)
+            found += moe_call_features(scenario.setup, call) + loss_scale_features(call)
+        elif isinstance(call, MtpCall):
+            found += loss_scale_features(call)
     if any(len(sources) > 1 for sources in step_sources(scenario)):
         found.append("several_sources")
     found += [f"class:{name}" for name in sorted(generator_classes(scenario))]

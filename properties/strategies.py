@@ -1,8 +1,9 @@
 """Hypothesis strategies for the conformance suite, composed from small named pieces.
 
 Pieces: `world_shapes`, `splits`, `layer_layouts`, `moe_patterns`, `routing_configs`, `layouts`,
-`setups`, `loss_scales`, `synthetic_records` (re-exported from `pipemetrics.properties.synthetic`),
-and the broadcast pieces `dtypes`, `tensor_shapes`, `valid_buffer`, `invalid_buffer`.
+`setups`, `loss_scales`, `loss_scale_forms`, `synthetic_records` (re-exported from
+`pipemetrics.properties.synthetic`), and the broadcast pieces `dtypes`, `tensor_shapes`,
+`valid_buffer`, `invalid_buffer`.
 Scenario strategies (one per property family) put them together: `moe_scenarios`,
 `mtp_scenarios`, `router_scenarios`, `broadcast_scenarios`, `track_names_scenarios`,
 `round_up_scenarios`. Every scenario uses the default target; the runner substitutes the target
@@ -11,6 +12,7 @@ under test.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from hypothesis import strategies as st
@@ -22,8 +24,10 @@ from pipemetrics.sim.calls import (
     BroadcastCall,
     BufferSpec,
     CallSpec,
+    LossScaleForm,
     MoeCall,
     MtpCall,
+    MtpLossScaleForm,
     RoundUpCall,
     TrackNamesCall,
 )
@@ -52,6 +56,7 @@ __all__ = [
     "invalid_buffer",
     "layer_layouts",
     "layouts",
+    "loss_scale_forms",
     "loss_scales",
     "moe_call",
     "moe_patterns",
@@ -254,15 +259,80 @@ def setups(
 
 LOSS_SCALES: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125, 1.0 / 3.0, 1e-3, 2.0, 0.0)
 """Fixed loss scales drawn besides ``1/num_microbatches`` (1.0 first: shrinking goes there)."""
+LARGE_LOSS_SCALES: tuple[float, ...] = (2.0**16, 1e6, 1e30)
+"""Very large scales (generator class ``argument_forms``): fp16's loss-scaler range, and far
+beyond; a step with one records no loss from the huge band (the product would overflow the
+float32 tracker values any implementation scales)."""
+LARGEST_ORDINARY_SCALE = max(LOSS_SCALES)
+"""Scales above this magnitude are `LARGE_LOSS_SCALES`."""
 
 
-def loss_scales(microbatches: int, *, allow_one: bool = True) -> st.SearchStrategy[float]:
-    """``1/num_microbatches`` as trainers pass it, and other scales (zero included)."""
+def loss_scales(
+    microbatches: int, *, allow_one: bool = True, large: bool = False
+) -> st.SearchStrategy[float]:
+    """``1/num_microbatches`` as trainers pass it, and other scales (zero included); with
+    ``large`` also `LARGE_LOSS_SCALES`."""
     scales = [scale for scale in LOSS_SCALES if allow_one or scale != 1.0]
+    if large:
+        scales += LARGE_LOSS_SCALES
     pick = st.sampled_from(scales)
     if allow_one or microbatches > 1:
         return st.one_of(st.just(1.0 / microbatches), pick)
     return pick
+
+
+SEED_LOSS_SCALE_FORMS: tuple[LossScaleForm, ...] = ("float", "numpy.float64")
+"""``loss_scale: float`` in the document: a Python float, or a numpy float64, a subclass of
+``float``."""
+STRICT_LOSS_SCALE_FORMS: tuple[LossScaleForm, ...] = (
+    *SEED_LOSS_SCALE_FORMS,
+    "tensor.float32",
+    "numpy.float32",
+    "tensor.float64",
+)
+"""Also what trainers pass that is not a ``float``: a 0-d tensor (``torch.tensor(1 / n)``) and a
+numpy float32; the reference promises the same results for every form (strict only)."""
+
+
+def loss_scale_forms(
+    semantic: Semantic, *, default: bool = False
+) -> st.SearchStrategy[MtpLossScaleForm]:
+    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.calls.LossScaleForm`);
+    ``default``: also no argument at all (``get_mtp_metrics()``, whose default the document
+    gives)."""
+    forms: list[MtpLossScaleForm] = list(
+        STRICT_LOSS_SCALE_FORMS if semantic == "strict" else SEED_LOSS_SCALE_FORMS
+    )
+    if default:
+        forms.append("default")
+    return st.sampled_from(forms)
+
+
+@st.composite
+def step_scales(
+    draw: st.DrawFn, setup: Setup, count: int, *, allow_one: bool, forms: bool, sign: float
+) -> list[float]:
+    """The ``loss_scale`` of each of ``count`` steps. With ``forms`` (generator class
+    ``argument_forms``) they include `LARGE_LOSS_SCALES` and take ``sign``, one sign per
+    scenario so that ``total_loss_dict`` sums never cancel."""
+    large = forms
+    scales = loss_scales(setup.layout.microbatches, allow_one=allow_one, large=large)
+    return [sign * draw(scales) for _ in range(count)]
+
+
+def values_for(scales: list[float]) -> st.SearchStrategy[float] | None:
+    """The recorded values a scenario with these scales may hold: no loss from the huge band
+    when any scale is large (the product would overflow the float32 tracker values any
+    implementation scales; with step programs a step's records may meet a later step's scale).
+    ``None``: every band."""
+    if any(abs(scale) > LARGEST_ORDINARY_SCALE for scale in scales):
+        return recorded_values(huge=False)
+    return None
+
+
+SCALE_SIGNS = st.sampled_from([1.0, -1.0])
+"""The sign of every scale of a scenario (``argument_forms``: the document does not forbid a
+negative scale; the result is then just scaled)."""
 
 
 # -- MoE / MTP scenarios -----------------------------------------------------------------------
@@ -349,14 +419,21 @@ def moe_scenarios(
     scale_one: bool = True,
     total_loss_dict: bool = False,
 ) -> Scenario:
-    """Synthetic records on every rank, then ``get_moe_metrics`` after every step."""
+    """Synthetic records on every rank, then ``get_moe_metrics`` after every step (a step
+    program with several steps, see `steps_of`)."""
     setup = draw(setups(profile))
     layout = setup.layout
     per_layer_logging = draw(st.booleans()) if per_layer is None else per_layer
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
     num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
-    calls = loss_scales(layout.microbatches, allow_one=scale_one).map(
-        lambda scale: moe_call(
+    forms = profile.generates("argument_forms")
+    form: MtpLossScaleForm = draw(loss_scale_forms(semantic)) if forms else "float"
+    assert form != "default"
+    sign = draw(SCALE_SIGNS) if forms else 1.0
+    scales = draw(step_scales(setup, count, allow_one=scale_one, forms=forms, sign=sign))
+
+    def call(scale: float) -> CallSpec:
+        return moe_call(
             layout,
             semantic,
             loss_scale=scale,
@@ -367,18 +444,23 @@ def moe_scenarios(
                 "num_layers": num_layers,
                 "mtp_num_layers": mtp_num_layers,
                 "track_names": track_names,
+                "loss_scale_form": form,
             }
         )
-    )
-    steps = draw(steps_of(profile, setup, count, [calls]))
+
+    steps = draw(steps_of(profile, setup, scales, [call]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+
+
+CallMaker = Callable[[float], CallSpec]
+"""A call of a step, given the step's ``loss_scale``."""
 
 
 @st.composite
 def step_program(
-    draw: st.DrawFn, setup: Setup, count: int, calls: list[st.SearchStrategy[CallSpec]]
+    draw: st.DrawFn, setup: Setup, scales: list[float], calls: list[CallMaker]
 ) -> list[Step]:
-    """``count`` training steps as a rule-based state machine walks them (the ``multi_step``
+    """One step per scale, as a rule-based state machine walks them (the ``multi_step``
     class). Each step either trains (every router and the MTP loss record, as Megatron's do
     only in training) or is forward-only (nothing recorded: an evaluation or log-prob pass, so
     a name can first appear in a later step and MTP be recorded in one step and not the
@@ -387,32 +469,35 @@ def step_program(
     calls and records, so a failure comes down to the shortest sequence. It is drawn as one
     scenario, not run rule by rule with Hypothesis's ``RuleBasedStateMachine``, because a world
     runs a scenario as one task: every rule would otherwise re-run the whole prefix."""
+    values = values_for(scales)
     steps = []
-    for index in range(count):
-        records = draw(synthetic_records(setup)) if draw(st.booleans()) else None
+    for index, scale in enumerate(scales):
+        trains = draw(st.booleans())
+        records = draw(synthetic_records(setup, values=values)) if trains else None
         order = draw(st.permutations(range(len(calls))))
         chosen = [i for i in order if draw(st.booleans())]
-        if index == count - 1 and not chosen:
+        if index == len(scales) - 1 and not chosen:
             chosen = [order[0]]
-        steps.append(Step(records=records, calls=[draw(calls[i]) for i in chosen]))
+        steps.append(Step(records=records, calls=[calls[i](scale) for i in chosen]))
     return steps
 
 
 @st.composite
 def steps_of(
-    draw: st.DrawFn,
-    profile: Profile,
-    setup: Setup,
-    count: int,
-    calls: list[st.SearchStrategy[CallSpec]],
+    draw: st.DrawFn, profile: Profile, setup: Setup, scales: list[float], calls: list[CallMaker]
 ) -> list[Step]:
-    """``count`` steps: a `step_program` when there is more than one and the profile generates
-    the ``multi_step`` class, else every step records and makes every call, in order."""
-    if count > 1 and profile.generates("multi_step"):
-        return draw(step_program(setup, count, calls))
+    """One step per scale: a `step_program` when there is more than one and the profile
+    generates the ``multi_step`` class, else every step records and makes every call, in
+    order."""
+    if len(scales) > 1 and profile.generates("multi_step"):
+        return draw(step_program(setup, scales, calls))
+    values = values_for(scales)
     return [
-        Step(records=draw(synthetic_records(setup)), calls=[draw(call) for call in calls])
-        for _ in range(count)
+        Step(
+            records=draw(synthetic_records(setup, values=values)),
+            calls=[call(scale) for call in calls],
+        )
+        for scale in scales
     ]
 
 
@@ -420,32 +505,52 @@ def steps_of(
 def mtp_scenarios(
     draw: st.DrawFn,
     profile: Profile,
+    semantic: Semantic = "seed",
     *,
     min_steps: int = 1,
     max_steps: int = 1,
     scale_one: bool = True,
 ) -> Scenario:
-    """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank."""
+    """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank.
+
+    With the generator class ``argument_forms``: ``loss_scale`` in every form of `loss_scale_forms`
+    (``get_mtp_metrics()`` without an argument where a scale of 1 is allowed), negative and
+    very large scales."""
     setup = draw(setups(profile, min_mtp=1))
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
-    calls = loss_scales(setup.layout.microbatches, allow_one=scale_one).map(
-        lambda scale: MtpCall(loss_scale=scale)
+    forms = profile.generates("argument_forms")
+    form: MtpLossScaleForm = (
+        draw(loss_scale_forms(semantic, default=scale_one)) if forms else "float"
     )
-    steps = draw(steps_of(profile, setup, count, [calls]))
+    sign = draw(SCALE_SIGNS) if forms and form != "default" else 1.0
+    scales = draw(step_scales(setup, count, allow_one=scale_one, forms=forms, sign=sign))
+
+    def call(scale: float) -> CallSpec:
+        if form == "default":
+            return MtpCall(loss_scale_form="default")
+        return MtpCall(loss_scale=scale, loss_scale_form=form)
+
+    steps = draw(steps_of(profile, setup, scales, [call]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 
 @st.composite
 def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
     """Both functions over a step program: ``get_moe_metrics`` (the document's pre-initialising
-    call) and ``get_mtp_metrics``, in either order, some steps calling one or none."""
+    call) and ``get_mtp_metrics``, with the step's ``loss_scale``, in either order, some steps
+    calling one or none."""
     setup = draw(setups(profile))
     layout = setup.layout
     count = draw(st.integers(2, max(2, profile.max_steps)))
-    scales = loss_scales(layout.microbatches)
-    moe = scales.map(lambda scale: moe_call(layout, semantic, loss_scale=scale))
-    mtp = scales.map(lambda scale: MtpCall(loss_scale=scale))
-    steps = draw(steps_of(profile, setup, count, [moe, mtp]))
+    scales = draw(step_scales(setup, count, allow_one=True, forms=False, sign=1.0))
+
+    def moe(scale: float) -> CallSpec:
+        return moe_call(layout, semantic, loss_scale=scale)
+
+    def mtp(scale: float) -> CallSpec:
+        return MtpCall(loss_scale=scale)
+
+    steps = draw(steps_of(profile, setup, scales, [moe, mtp]))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 

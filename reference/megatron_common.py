@@ -14,6 +14,7 @@ blocked in a collective its peers abandoned.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -356,6 +357,26 @@ def _is_placeholder(entry: Any) -> bool:
     )
 
 
+def _loss_scale_value(loss_scale: Any) -> float | None:
+    """``loss_scale`` as a Python float, or ``None`` when it is not a real number.
+
+    Accepted, with the same results: a Python ``int``/``float``, a numpy scalar (anything
+    registered as ``numbers.Real``; bools excluded) and a one-element real tensor on any device
+    (e.g. ``torch.tensor(1 / num_microbatches)``). A float32 scalar or tensor contributes its
+    float32 value exactly.
+    """
+    if isinstance(loss_scale, torch.Tensor):
+        if loss_scale.numel() != 1 or loss_scale.dtype == torch.bool or loss_scale.is_complex():
+            return None
+        try:
+            return float(loss_scale.detach().reshape(()).item())
+        except Exception:  # e.g. a meta tensor: no value to read
+            return None
+    if isinstance(loss_scale, numbers.Real) and not isinstance(loss_scale, bool):
+        return float(loss_scale)
+    return None
+
+
 def _validate_args(
     loss_scale: Any,
     total_loss_dict: Any,
@@ -364,8 +385,11 @@ def _validate_args(
     track_names: Any,
     num_moe_layers: Any,
 ) -> str | None:
-    if not _is_number(loss_scale):
-        return f"loss_scale must be a number, got {loss_scale!r}"
+    if _loss_scale_value(loss_scale) is None:
+        return (
+            "loss_scale must be a real number, a numpy scalar or a one-element tensor, "
+            f"got {loss_scale!r}"
+        )
     if total_loss_dict is not None and not isinstance(total_loss_dict, dict):
         return "total_loss_dict must be a dict or None"
     for label, v in (("num_layers", num_layers), ("mtp_num_layers", mtp_num_layers)):
@@ -458,7 +482,7 @@ def _sig(d: _GroupDesc) -> _GroupDesc:
 
 
 def get_moe_metrics(
-    loss_scale: float,
+    loss_scale: float | torch.Tensor,
     total_loss_dict: dict[Any, Any] | None = None,
     per_layer_logging: bool = False,
     num_layers: int | None = None,
@@ -542,6 +566,8 @@ def get_moe_metrics(
         dist.all_gather_object(payloads, payload)
     lengths, settings, errors = _plan(payloads, distributed)
     _raise_if_any(errors, "get_moe_metrics")
+    scale = _loss_scale_value(loss_scale)
+    assert scale is not None  # checked by _validate_args on every rank
 
     device = "cpu"
     if distributed and dist.get_backend() == "nccl":
@@ -567,7 +593,7 @@ def get_moe_metrics(
     result: dict[str, Any] = {}
     per_layer: dict[str, Any] = {}
     for name in sorted(lengths):
-        scaled = tracker.metrics[name].values.float() * loss_scale
+        scaled = tracker.metrics[name].values.float() * scale
         mean = scaled.sum() / (num_moe_layers or scaled.numel())
         result[name] = float(mean)
         if total_loss_dict is not None:
@@ -616,7 +642,7 @@ def _reduce_mtp_tracker(
             dist.all_reduce(tracker[key], group=avg_group, op=avg_op)
 
 
-def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
+def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     """Reduce Megatron's MTP tracker and return per-MTP-layer loss and acceptance rate.
 
     Works with both tracker layouts of the supported releases: megatron-core 0.19's
@@ -644,13 +670,14 @@ def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
     if layout is None:
         return {}
     loss_key, count_keys, reduce_name, clean_name = layout
+    scale = _loss_scale_value(loss_scale)
     if dist.is_available() and dist.is_initialized():
         reduce = getattr(MTPLossLoggingHelper, reduce_name, None)
         if reduce is not None:
             reduce()
         else:
             _reduce_mtp_tracker(tracker, loss_key, count_keys)
-    losses = tracker[loss_key].float() * loss_scale
+    losses = tracker[loss_key].float() * (0.0 if scale is None else scale)
     counted = bool(count_keys)
     corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
     totals = tracker.get("total_values", torch.ones_like(losses)).float()
@@ -669,4 +696,9 @@ def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
                 tracker[key].zero_()
         tracker["reduce_group"] = None
         tracker["avg_group"] = None
+    if scale is None:  # raised after the reduction: the other holders are not left waiting
+        raise ValueError(
+            "get_mtp_metrics: loss_scale must be a real number, a numpy scalar or a one-element "
+            f"tensor, got {loss_scale!r}"
+        )
     return result

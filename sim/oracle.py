@@ -271,10 +271,11 @@ def name_metrics(name: str, values: Sequence[float], call: MoeCall) -> dict[str,
     denominator = call.num_moe_layers if call.num_moe_layers is not None else len(values)
     if denominator == 0:
         raise ValueError(f"{name}: an empty vector has no mean")
-    metrics = {name: call.loss_scale * math.fsum(values) / denominator}
+    scale = call.received_loss_scale
+    metrics = {name: scale * math.fsum(values) / denominator}
     if call.per_layer_logging:
         for i, value in enumerate(values):
-            metrics[f"{PER_LAYER_PREFIX}{name}_layer_{i}"] = call.loss_scale * value
+            metrics[f"{PER_LAYER_PREFIX}{name}_layer_{i}"] = scale * value
     return metrics
 
 
@@ -292,7 +293,9 @@ def expected_moe_metrics(
 
     A rank missing from ``snapshots`` holds an empty tracker. For each live name a rank reports
     ``loss_scale * sum(v) / D`` (``D``: ``call.num_moe_layers`` if given, else the agreed length)
-    and, with ``per_layer_logging``, ``moe/{name}_layer_{i}`` = ``loss_scale * v[i]``.
+    and, with ``per_layer_logging``, ``moe/{name}_layer_{i}`` = ``loss_scale * v[i]``, where
+    ``loss_scale`` is the value the target received (``call.received_loss_scale``: a float32
+    numpy scalar or tensor holds the scale rounded to float32).
     """
     check_ranks(snapshots, places)
     result: dict[int, dict[str, float]] = {rank: {} for rank in places}
@@ -418,7 +421,7 @@ def expected_mtp_metrics(
     result: dict[int, dict[str, float]] = {rank: {} for rank in places}
     for rank in holders:
         result[rank] = mtp_rank_metrics(
-            loss[rank], correct[rank], total[rank], call.loss_scale, counted=counted
+            loss[rank], correct[rank], total[rank], call.received_loss_scale, counted=counted
         )
     return result
 

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from types import ModuleType
 from typing import Any
 
+import numpy
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -267,7 +268,7 @@ class RankServer:
     def _arguments(self, setup: Setup, spec: CallSpec, totals: dict[str, Any]) -> dict[str, Any]:
         if isinstance(spec, MoeCall):
             kwargs: dict[str, Any] = {
-                "loss_scale": spec.loss_scale,
+                "loss_scale": loss_scale_argument(spec, setup),
                 "per_layer_logging": spec.per_layer_logging,
                 "num_layers": spec.num_layers,
                 "mtp_num_layers": spec.mtp_num_layers,
@@ -279,7 +280,9 @@ class RankServer:
                 kwargs["num_moe_layers"] = spec.num_moe_layers
             return kwargs
         if isinstance(spec, MtpCall):
-            return {"loss_scale": spec.loss_scale}
+            if spec.loss_scale_form == "default":
+                return {}
+            return {"loss_scale": loss_scale_argument(spec, setup)}
         if isinstance(spec, BroadcastCall):
             return self._broadcast_arguments(spec)
         if isinstance(spec, TrackNamesCall):
@@ -394,6 +397,21 @@ def _check_layers_with_megatron(setup: Setup, pp_rank: int) -> None:
             f"pipeline rank {pp_rank}: megatron-core's layout {split.layout!r} gives decoder "
             f"layers {megatron} per chunk, pipemetrics computed {ours}"
         )
+
+
+def loss_scale_argument(spec: MoeCall | MtpCall, setup: Setup) -> Any:
+    """``spec.loss_scale`` as the object of ``spec.loss_scale_form``: a Python float, a numpy
+    scalar, or a 0-d tensor on the device a trainer's tensors live on (CUDA under NCCL)."""
+    form = spec.loss_scale_form
+    if form == "float":
+        return float(spec.loss_scale)
+    kind, _, dtype = form.partition(".")
+    if kind == "numpy":
+        return getattr(numpy, dtype)(spec.loss_scale)
+    if kind == "tensor":
+        device = "cuda" if setup.world.backend == "nccl" else "cpu"
+        return torch.tensor(spec.loss_scale, dtype=getattr(torch, dtype), device=device)
+    raise ValueError(f"loss_scale_form {form!r} has no argument")
 
 
 def _error(exc: BaseException) -> CallError:

@@ -17,7 +17,7 @@ from pipemetrics.properties.coverage import features
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
-from pipemetrics.sim.calls import BroadcastCall, MoeCall
+from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import (
     MoeRecord,
@@ -81,6 +81,8 @@ def test_every_property_generates_valid_scenarios(prop: object, semantic: str) -
                 assert call.function in prop.functions
                 if isinstance(call, MoeCall):
                     _check_documented_arguments(scenario.setup, call, semantic)
+                if isinstance(call, MoeCall | MtpCall) and semantic != "strict":
+                    assert call.loss_scale_form in (*s.SEED_LOSS_SCALE_FORMS, "default")
                 if isinstance(call, BroadcastCall) and semantic != "strict":
                     assert not call.non_contiguous
 

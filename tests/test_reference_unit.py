@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 from unittest.mock import MagicMock
 
+import numpy as np
 import pytest
 import torch
 from megatron.core.transformer.moe.moe_logging import (
@@ -382,6 +383,11 @@ def test_moe_metrics_empty_tracker() -> None:
     "kwargs",
     [
         {"loss_scale": "1"},
+        {"loss_scale": True},
+        {"loss_scale": None},
+        {"loss_scale": torch.tensor([0.5, 0.5])},
+        {"loss_scale": torch.tensor(True)},
+        {"loss_scale": torch.tensor(1.0, device="meta")},
         {"loss_scale": 1.0, "num_layers": -1, "track_names": [AUX]},
         {"loss_scale": 1.0, "mtp_num_layers": 1.5},
         {"loss_scale": 1.0, "track_names": AUX},
@@ -394,6 +400,56 @@ def test_moe_metrics_rejects_bad_arguments(kwargs: dict[str, Any]) -> None:
     _record(AUX, 1.0, 1, 1)
     with pytest.raises(ValueError):
         get_moe_metrics(**kwargs)
+
+
+# Every form a trainer passes loss_scale in gives the same result as the Python float holding
+# the same value (a float32 form holds the value rounded to float32).
+LOSS_SCALE_VALUES = (0.25, 1.0 / 3.0, 0.0, -0.5, 1e6, 1e30)
+LOSS_SCALE_FORMS: dict[str, Any] = {
+    "int": lambda x: int(x),
+    "numpy.float64": np.float64,
+    "numpy.float32": np.float32,
+    "tensor.float32": lambda x: torch.tensor(x),
+    "tensor.float64": lambda x: torch.tensor(x, dtype=torch.float64),
+    "tensor.shape[1]": lambda x: torch.tensor([x]),
+    "tensor.requires_grad": lambda x: torch.tensor(x, requires_grad=True),
+}
+
+
+@pytest.mark.parametrize("form", sorted(LOSS_SCALE_FORMS))
+@pytest.mark.parametrize("value", LOSS_SCALE_VALUES)
+def test_moe_metrics_loss_scale_forms(form: str, value: float) -> None:
+    make = LOSS_SCALE_FORMS[form]
+    if form == "int" and value != int(value):
+        pytest.skip("not an integer")
+    received = float(make(value))
+    totals: dict[str, Any] = {}
+    for _ in range(2):
+        _record(AUX, 2.0, 1, 2)
+        _record(AUX, 4.0, 2, 2)
+        out = get_moe_metrics(make(value), totals, per_layer_logging=True)
+    want = {AUX: received * 3.0, f"moe/{AUX}_layer_0": received * 2.0}
+    want[f"moe/{AUX}_layer_1"] = received * 4.0
+    assert out == {k: pytest.approx(v, rel=1e-6) for k, v in want.items()}
+    assert all(type(v) is float for v in out.values())
+    assert float(totals[AUX]) == pytest.approx(2 * received * 3.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("form", sorted(LOSS_SCALE_FORMS))
+def test_mtp_metrics_loss_scale_forms(form: str) -> None:
+    scale = LOSS_SCALE_FORMS[form](2.0 if form == "int" else -1.0 / 3.0)
+    received = float(scale)
+    set_mtp_tracker([3.0], [1.0], [2.0])
+    out = get_mtp_metrics(scale)
+    want = {"mtp_1_loss": pytest.approx(3.0 * received, rel=1e-6), "mtp_1_acceptance_rate": 50.0}
+    assert out == want
+
+
+def test_mtp_metrics_rejects_a_non_number_after_cleaning() -> None:
+    set_mtp_tracker([3.0], [1.0], [2.0])
+    with pytest.raises(ValueError, match="loss_scale"):
+        get_mtp_metrics("0.5")  # type: ignore[arg-type]
+    assert torch.count_nonzero(MTPLossLoggingHelper.tracker["loss_values"]) == 0
 
 
 # ----------------------------------------------------------------------------- _plan (pure)

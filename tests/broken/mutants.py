@@ -516,7 +516,7 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "losses = tracker[loss_key].float() * loss_scale\n",
+                "losses = tracker[loss_key].float() * (0.0 if scale is None else scale)\n",
                 "losses = tracker[loss_key].float()\n",
             ),
         ),
@@ -752,6 +752,102 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.reset",),
         functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
+        name="moe_loss_scale_tensor_rejected",
+        description=(
+            "get_moe_metrics accepts loss_scale only as a Python number (int or float, a numpy "
+            "float64 included: it subclasses float) and raises ValueError on every rank for a "
+            "0-d tensor or a numpy float32, what trainers pass (torch.tensor(1 / n)). Caught "
+            "only by the generator class argument_forms, under strict (the reference's promise: "
+            "the same results for every form)."
+        ),
+        edits=(
+            (
+                "    if _loss_scale_value(loss_scale) is None:\n",
+                "    if not _is_number(loss_scale):\n",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("argument_forms",),
+        profile="strict",
+    ),
+    Mutant(
+        name="moe_loss_scale_exact_float_type",
+        description=(
+            "get_moe_metrics checks loss_scale with an exact type test (type(x) in (int, float)) "
+            "and raises ValueError on every rank for a numpy float64, which is a float (a "
+            "subclass) as the document's 'loss_scale: float' allows. Caught only by the "
+            "generator class argument_forms (seed: the numpy.float64 form)."
+        ),
+        edits=(
+            (
+                "    if _loss_scale_value(loss_scale) is None:\n",
+                "    if type(loss_scale) not in (int, float):\n",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("argument_forms",),
+    ),
+    Mutant(
+        name="moe_loss_scale_negative_rejected",
+        description=(
+            "get_moe_metrics refuses a negative loss_scale (ValueError on every rank, from the "
+            "argument check); the document does not forbid one, the result is then just "
+            "scaled. Caught only by the generator class argument_forms (negative scales)."
+        ),
+        edits=(
+            (
+                "    if total_loss_dict is not None and not isinstance(total_loss_dict, dict):\n",
+                "    if (_loss_scale_value(loss_scale) or 0.0) < 0:\n"
+                '        return f"loss_scale must be non-negative, got {loss_scale!r}"\n'
+                "    if total_loss_dict is not None and not isinstance(total_loss_dict, dict):\n",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("argument_forms",),
+    ),
+    Mutant(
+        name="mtp_loss_scale_required",
+        description=(
+            "get_mtp_metrics has no default for loss_scale, so get_mtp_metrics() (the "
+            "document's default of 1.0) raises TypeError on every rank. Caught only by the "
+            "generator class argument_forms (the 'default' form)."
+        ),
+        edits=(
+            (
+                "def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:",
+                "def get_mtp_metrics(loss_scale: float | torch.Tensor) -> dict[str, Any]:",
+            ),
+        ),
+        fails=("mtp.no_hang",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("argument_forms",),
+    ),
+    Mutant(
+        name="moe_num_layers_none_crash",
+        description=(
+            "get_moe_metrics computes the pre-initialisation length num_layers + mtp_num_layers "
+            "whenever track_names is non-empty, so num_layers=None with track_names (the "
+            "document's default for num_layers) raises TypeError on every rank. Caught by the "
+            "None forms the seed profile draws where every rank records every name."
+        ),
+        edits=(
+            (
+                "num_layers + (mtp_num_layers or 0) if num_layers is not None and names else 0",
+                "num_layers + (mtp_num_layers or 0) if names else 0",
+            ),
+        ),
+        fails=("moe.no_hang",),
+        functions=("get_moe_metrics",),
         sim_verdict=None,
     ),
 ]

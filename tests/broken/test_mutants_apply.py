@@ -351,7 +351,7 @@ def _mtp_rate_scaled(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 def _mtp_rate_zero_total(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     set_mtp_tracker([4.0, 4.0, 4.0], [0.0, 2.0, 1.0], [0.0, 0.0, 4.0])
-    return _values(m.get_mtp_metrics(), "_acceptance_rate")
+    return _values(m.get_mtp_metrics(1.0), "_acceptance_rate")
 
 
 def _two_steps(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
@@ -576,7 +576,44 @@ def _names_from_the_second_step(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 
 SYNC_5 = [[(AUX, 5)]]
+
+
 #: mutant -> (situation, what the reference shows, what the mutant shows)
+def _outcome(call: Callable[[], Any]) -> Any:
+    """What a call returned, or the type of the exception it raised."""
+    try:
+        return call()
+    except (ValueError, TypeError) as exc:
+        return type(exc).__name__
+
+
+def _moe_scale_objects(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # The same scale as a numpy float64 (a float subclass) and as a 0-d tensor.
+    import numpy as np
+
+    seen = []
+    for scale in (np.float64(1.0), torch.tensor(1.0)):
+        reset_trackers()
+        _record(AUX, [2.0, 4.0])
+        seen.append(_outcome(lambda scale=scale: m.get_moe_metrics(scale)[AUX]))
+    return seen
+
+
+def _moe_negative_scale(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _record(AUX, [2.0, 4.0])
+    return _outcome(lambda: _values(m.get_moe_metrics(-0.5, None, True), "", prefix="moe/"))
+
+
+def _mtp_no_argument(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    set_mtp_tracker([4.0], [1.0], [2.0])
+    return _outcome(lambda: _values(m.get_mtp_metrics(), "_loss"))
+
+
+def _moe_num_layers_none(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    _record(AUX, [2.0, 4.0])
+    return _outcome(lambda: m.get_moe_metrics(1.0, None, False, None, None, [AUX])[AUX])
+
+
 BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
     "moe_empty_stage_returns_early": (
         _empty_stage,
@@ -642,6 +679,23 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         },
     ),
     "moe_loss_scale_twice": (_moe_loss_scale, (1.5, [1.0, 2.0]), (0.75, [1.0, 2.0])),
+    "moe_loss_scale_tensor_rejected": (
+        _moe_scale_objects,
+        [3.0, 3.0],
+        [3.0, "ValueError"],
+    ),
+    "moe_loss_scale_exact_float_type": (
+        _moe_scale_objects,
+        [3.0, 3.0],
+        ["ValueError", "ValueError"],
+    ),
+    "moe_loss_scale_negative_rejected": (
+        _moe_negative_scale,
+        [-1.0, -2.0],  # the per-layer values
+        "ValueError",
+    ),
+    "mtp_loss_scale_required": (_mtp_no_argument, [4.0], "TypeError"),
+    "moe_num_layers_none_crash": (_moe_num_layers_none, 3.0, "TypeError"),
     "moe_per_layer_one_based": (
         _moe_per_layer,
         [f"moe/{AUX}_layer_0", f"moe/{AUX}_layer_1"],
@@ -746,6 +800,8 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
         # Two steps into one total_loss_dict: a tracker that is not cleared and a total that
         # is overwritten both change what the total holds after the second step.
         frozenset({"moe_tracker_not_cleared", "moe_total_loss_overwritten"}),
+        # Both refuse a 0-d tensor; only the exact type check also refuses a numpy float64.
+        frozenset({"moe_loss_scale_tensor_rejected", "moe_loss_scale_exact_float_type"}),
     }
 )
 
