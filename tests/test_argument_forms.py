@@ -157,11 +157,11 @@ def test_one_sign_per_scenario_and_no_huge_loss_under_a_large_scale(scenario: Sc
     assert len({c.loss_scale_form for c in calls}) == 1
     assert len({math.copysign(1.0, c.loss_scale) for c in calls}) == 1  # no cancelling totals
     huge = VALUE_BANDS["huge"][0]
-    for step, call in zip(scenario.steps, calls, strict=True):
-        if abs(call.loss_scale) > s.LARGEST_ORDINARY_SCALE:
-            assert step.records is not None
-            values = [r.value for recs in step.records.moe.values() for r in recs]
-            assert all(not v >= huge for v in values)
+    if any(abs(call.loss_scale) > s.LARGEST_ORDINARY_SCALE for call in calls):
+        # step programs: a step's records may meet a later step's scale, so none in the scenario
+        for step in scenario.steps:
+            moe = step.records.moe.values() if step.records is not None else []
+            assert all(not r.value >= huge for recs in moe for r in recs)
 
 
 def test_per_layer_logging_is_drawn_with_total_loss_dict() -> None:

@@ -201,7 +201,9 @@ def test_rare_layouts_are_generated(name: str) -> None:
 def test_thorough_profile_reaches_eight_ranks() -> None:
     thorough = PROFILES["thorough"]
     assert {w.world_size for w in thorough.shapes} == set(range(1, 9))
-    assert max(w.world_size for w in CI.shapes) <= 4
+    assert max(w.world_size for w in CI.shapes) <= 6  # dp = 3 on two stages
+    assert max(w.dp for w in thorough.shapes) == max(w.tp for w in thorough.shapes) == 4
+    assert max(w.cp for w in thorough.shapes) == 4
 
 
 def test_id_lists(tmp_path: Path) -> None:
