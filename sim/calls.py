@@ -54,7 +54,24 @@ def check_form(loss_scale: float, form: str) -> None:
         raise ValueError(f"loss_scale {loss_scale!r} overflows float32 (loss_scale_form {form!r})")
 
 
-class MoeCall(Frozen):
+class ScaledCall(Frozen):
+    """A call with a ``loss_scale``, passed as the object ``loss_scale_form`` names."""
+
+    loss_scale: float = 1.0
+    loss_scale_form: MtpLossScaleForm = "float"
+
+    @property
+    def received_loss_scale(self) -> float:
+        """The value the target receives (float32 forms round ``loss_scale``)."""
+        return received_value(self.loss_scale, self.loss_scale_form)
+
+    @model_validator(mode="after")
+    def _form_carries_scale(self) -> ScaledCall:
+        check_form(self.loss_scale, self.loss_scale_form)
+        return self
+
+
+class MoeCall(ScaledCall):
     """``get_moe_metrics`` as a trainer calls it after a step.
 
     ``use_total_loss_dict``: pass one dict per rank that lives across the steps of the scenario.
@@ -63,7 +80,6 @@ class MoeCall(Frozen):
     """
 
     function: Literal["get_moe_metrics"] = "get_moe_metrics"
-    loss_scale: float = 1.0
     loss_scale_form: LossScaleForm = "float"
     per_layer_logging: bool = False
     num_layers: Annotated[int, Field(ge=1)] | None = None
@@ -83,34 +99,14 @@ class MoeCall(Frozen):
             return None
         return self.num_layers + (self.mtp_num_layers or 0)
 
-    @property
-    def received_loss_scale(self) -> float:
-        """The value the target receives (float32 forms round ``loss_scale``)."""
-        return received_value(self.loss_scale, self.loss_scale_form)
-
-    @model_validator(mode="after")
-    def _form_carries_scale(self) -> MoeCall:
-        check_form(self.loss_scale, self.loss_scale_form)
-        return self
 
 
-class MtpCall(Frozen):
+class MtpCall(ScaledCall):
     """``get_mtp_metrics(loss_scale)``, ``loss_scale`` passed as ``loss_scale_form``;
     ``get_mtp_metrics()`` with the form ``"default"`` (then ``loss_scale`` is 1.0)."""
 
     function: Literal["get_mtp_metrics"] = "get_mtp_metrics"
-    loss_scale: float = 1.0
     loss_scale_form: MtpLossScaleForm = "float"
-
-    @property
-    def received_loss_scale(self) -> float:
-        """The value the target receives (float32 forms round ``loss_scale``)."""
-        return received_value(self.loss_scale, self.loss_scale_form)
-
-    @model_validator(mode="after")
-    def _form_carries_scale(self) -> MtpCall:
-        check_form(self.loss_scale, self.loss_scale_form)
-        return self
 
 
 class BufferSpec(Frozen):
