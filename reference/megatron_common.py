@@ -209,10 +209,12 @@ def broadcast_tensor(
     """Broadcast ``tensor`` from global rank ``src_rank`` to every rank of ``group``.
 
     Every rank of ``group`` must call this. ``src_rank`` is a GLOBAL rank and must be a
-    member of ``group`` (checked identically on every rank, before any collective).
+    member of ``group``; every rank must pass the same one (both checked in the metadata round,
+    so a rank with another source, or one outside the group, makes EVERY rank raise the same
+    ``ValueError`` instead of leaving its peers in the broadcast).
 
     Protocol: one metadata round (``all_gather_object`` over ``group``) in which every rank
-    describes its input: the source its shape/dtype (or its error), each receiver its buffer
+    sends its ``src_rank`` and describes its input: the source its shape/dtype (or its error), each receiver its buffer
     (shape, dtype, device) or ``None``. Every rank validates all descriptions; if anything is
     wrong (source passed ``None`` or a non-tensor; a receiver buffer with the wrong shape,
     dtype or device) EVERY rank raises the same ``ValueError`` naming the offending global
@@ -228,14 +230,14 @@ def broadcast_tensor(
     """
     me = dist.get_rank()
     ranks = dist.get_process_group_ranks(group)
-    if src_rank not in ranks:
-        raise ValueError(f"src_rank {src_rank} (global) is not a member of the group {ranks}")
     if me not in ranks:
         raise ValueError(f"rank {me} called broadcast_tensor for a group {ranks} it is not in")
     device = _comm_device(group)
 
     desc: tuple[Any, ...]
-    if me == src_rank:
+    if src_rank not in ranks:
+        desc = ("src_outside", f"src_rank {src_rank} (global) is not a member of the group {ranks}")
+    elif me == src_rank:
         if isinstance(tensor, torch.Tensor):
             desc = ("src", tuple(tensor.shape), str(tensor.dtype))
         else:
@@ -248,7 +250,13 @@ def broadcast_tensor(
         desc = ("recv_error", f"rank {me} passed {type(tensor).__name__} as buffer")
 
     gathered: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(gathered, desc, group=group)
+    dist.all_gather_object(gathered, (src_rank, desc), group=group)
+    sources = [(rank, source) for rank, (source, _) in zip(ranks, gathered, strict=True)]
+    if len({source for _, source in sources}) > 1:
+        raise ValueError(f"broadcast_tensor: src_rank differs between ranks ({_ranks_by(sources)})")
+    gathered = [d for _, d in gathered]
+    if gathered[0][0] == "src_outside":
+        raise ValueError(f"broadcast_tensor: {gathered[0][1]}")
     src_desc = gathered[ranks.index(src_rank)]
     if src_desc[0] == "src_error":
         raise ValueError(f"broadcast_tensor: {src_desc[1]}")
@@ -425,6 +433,12 @@ def _plan(
     errors = [f"rank {r}: {p['error']}" for r, p in enumerate(payloads) if p["error"]]
     if errors:
         return {}, {}, errors
+    for argument in payloads[0]["arguments"]:
+        given = [(r, repr(p["arguments"][argument])) for r, p in enumerate(payloads)]
+        if len({value for _, value in given}) > 1:
+            errors.append(f"{argument} differs between ranks ({_ranks_by(given)})")
+    if errors:
+        return {}, {}, errors
     lengths: dict[str, int] = {}
     for p in payloads:
         for name, meta in p["entries"].items():
@@ -500,13 +514,16 @@ def get_moe_metrics(
        local tracker entries ``{name: (length, dtype, reduce group, avg group,
        needs_dp_avg)}``, ``track_names`` and requested length ``num_layers +
        (mtp_num_layers or 0)`` (only when ``num_layers`` is given and ``track_names`` is
-       non-empty; else 0). Groups are described by their ``megatron.core.parallel_state`` kind,
-       matched by object identity, then by member ranks.
+       non-empty; else 0), and the arguments themselves (``num_layers``, ``mtp_num_layers``,
+       ``track_names``, ``loss_scale``'s value, ``per_layer_logging``, ``num_moe_layers``).
+       Groups are described by their ``megatron.core.parallel_state`` kind, matched by object
+       identity, then by member ranks.
     2. Live names = union over ranks of recorded names and ``track_names``. Agreed length
        per name = max of all entry lengths and the requested lengths of ranks listing it; a
        name whose agreed length is 0 (only in ``track_names``, recorded nowhere, no
-       ``num_layers``) is dropped. If any rank's arguments are invalid, ranks disagree on a
-       name's dtype/groups/``needs_dp_avg``, or a rank lacking a name cannot find the
+       ``num_layers``) is dropped. If any rank's arguments are invalid, ranks pass different
+       arguments (``"num_layers differs between ranks (ranks [0]: 4; ranks [1]: 5)"``), ranks
+       disagree on a name's dtype/groups/``needs_dp_avg``, or a rank lacking a name cannot find the
        matching group locally, EVERY rank raises the same ``ValueError`` naming the ranks.
     3. Every rank ensures an entry for each live name (``tracker.ensure_initialized`` on the
        backend's device: current CUDA device for NCCL, else CPU), zero-pads shorter entries
@@ -559,6 +576,14 @@ def get_moe_metrics(
             num_layers + (mtp_num_layers or 0) if num_layers is not None and names else 0
         ),
         "kinds": [kind for kind, _ in known],
+        "arguments": {
+            "num_layers": num_layers,
+            "mtp_num_layers": mtp_num_layers,
+            "track_names": None if track_names is None else list(track_names),
+            "loss_scale": _loss_scale_value(loss_scale),
+            "per_layer_logging": bool(per_layer_logging),
+            "num_moe_layers": num_moe_layers,
+        },
     }
     payloads: list[Any] = [payload]
     if distributed:

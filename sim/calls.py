@@ -54,7 +54,31 @@ def check_form(loss_scale: float, form: str) -> None:
         raise ValueError(f"loss_scale {loss_scale!r} overflows float32 (loss_scale_form {form!r})")
 
 
-class ScaledCall(Frozen):
+class PerRank(Frozen):
+    """A call whose arguments may differ on some ranks: what a trainer whose ranks disagree
+    passes (the catalogue's strategies never draw it; tests of argument checks do)."""
+
+    overrides: dict[int, dict[str, Any]] = Field(default_factory=dict)
+    """Global rank -> the fields that rank passes differently."""
+
+    @model_validator(mode="after")
+    def _overrides_name_fields(self) -> PerRank:
+        fields = set(type(self).model_fields) - {"function", "overrides"}
+        for rank, changed in self.overrides.items():
+            unknown = sorted(set(changed) - fields)
+            if unknown:
+                raise ValueError(f"overrides[{rank}]: {unknown} are not arguments of this call")
+        return self
+
+    def for_rank(self, rank: int) -> PerRank:
+        """The call as global rank ``rank`` makes it."""
+        if rank not in self.overrides:
+            return self
+        data = {**self.model_dump(), **self.overrides[rank], "overrides": {}}
+        return type(self).model_validate(data)
+
+
+class ScaledCall(PerRank):
     """A call with a ``loss_scale``, passed as the object ``loss_scale_form`` names."""
 
     loss_scale: float = 1.0
@@ -100,7 +124,6 @@ class MoeCall(ScaledCall):
         return self.num_layers + (self.mtp_num_layers or 0)
 
 
-
 class MtpCall(ScaledCall):
     """``get_mtp_metrics(loss_scale)``, ``loss_scale`` passed as ``loss_scale_form``;
     ``get_mtp_metrics()`` with the form ``"default"`` (then ``loss_scale`` is 1.0)."""
@@ -122,7 +145,7 @@ NEW_GROUP = "new_group"
 """`BroadcastCall.group` for a group made with ``torch.distributed.new_group`` over ``members``."""
 
 
-class BroadcastCall(Frozen):
+class BroadcastCall(PerRank):
     """``broadcast_tensor(tensor, src_rank, group)`` over a Megatron group or a new group.
 
     Which groups broadcast, and from where:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import numpy
 import torch
@@ -36,6 +36,7 @@ from pipemetrics.sim.calls import (
     MoeCall,
     MtpCall,
     RoundUpCall,
+    ScaledCall,
     TrackNamesCall,
 )
 from pipemetrics.sim.interpose import Interposer
@@ -222,6 +223,8 @@ class RankServer:
         index: int,
         totals: dict[str, Any],
     ) -> CallReport:
+        if isinstance(spec, ScaledCall | BroadcastCall):
+            spec = cast(CallSpec, spec.for_rank(self.rank))
         before = snapshot()
         function = getattr(target, spec.function, None)
         base = CallReport(step=step, call=index, function=spec.function, snapshot=before)

@@ -20,6 +20,7 @@ from pipemetrics.sim.world import WorldRun
 from .conftest import TrackingPool
 
 DEADLINE_S = 60.0
+AUX = "load_balancing_loss"
 
 
 def run(
@@ -231,3 +232,46 @@ def test_broadcast_roundtrip_non_contiguous(pool: TrackingPool) -> None:
         assert tensor["shape"] == [2, 3] and tensor["dtype"] == "float32"
         assert tensor["values"] == source, f"rank {rank} received other data"
     assert got[1]["__tensor__"]["is_buffer"], "the receiver's buffer was not filled in place"
+
+
+def errors(result: WorldRun) -> dict[int, str]:
+    """Every rank's error of the first call, as ``Type: message``."""
+    out = {}
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        report = rank_result.done.reports[0]
+        assert report.error is not None, f"rank {rank} returned {report.value}"
+        out[rank] = f"{report.error.type}: {report.error.message}"
+    return out
+
+
+@pytest.mark.parametrize(
+    ("field", "here", "there", "named"),
+    [
+        ("num_layers", 4, 5, "num_layers differs between ranks (ranks [0, 2]: 4; ranks [1, 3]: 5)"),
+        ("mtp_num_layers", None, 1, "mtp_num_layers differs between ranks (ranks [0, 2]: None"),
+        ("track_names", [AUX], [], "track_names differs between ranks (ranks [0, 2]: ['load_"),
+        ("loss_scale", 0.5, 0.25, "loss_scale differs between ranks (ranks [0, 2]: 0.5; ranks"),
+        ("per_layer_logging", False, True, "per_layer_logging differs between ranks"),
+    ],
+)
+def test_arguments_that_differ_between_ranks_raise_everywhere(
+    pool: TrackingPool, field: str, here: object, there: object, named: str
+) -> None:
+    # pp=2 x dp=2; the data-parallel rank 1 of each stage (global ranks 1 and 3) disagrees.
+    layout = ModelLayout(num_layers=4)
+    records = StepRecords(moe={r: [moe(AUX, 1 + r // 2 * 2, 1.0, 4)] for r in range(4)})
+    base: dict[str, object] = {"num_layers": 4, "track_names": [AUX], field: here}
+    call = MoeCall.model_validate({**base, "overrides": {1: {field: there}, 3: {field: there}}})
+    result = run(pool, WorldSpec(pp=2, dp=2), layout, [(records, [call])])
+    seen = errors(result)
+    assert len(set(seen.values())) == 1, seen  # the same error on every rank
+    assert seen[0].startswith("ValueError: get_moe_metrics: ") and named in seen[0], seen[0]
+
+
+def test_a_source_rank_that_differs_between_ranks_raises_everywhere(pool: TrackingPool) -> None:
+    call = BroadcastCall(group="world", src_rank=0, shape=[3], overrides={2: {"src_rank": 1}})
+    result = run(pool, WorldSpec(dp=3), ModelLayout(num_layers=1), [(StepRecords(), [call])])
+    seen = errors(result)
+    assert len(set(seen.values())) == 1, seen
+    assert "src_rank differs between ranks (ranks [0, 1]: 0; ranks [2]: 1)" in seen[0], seen[0]

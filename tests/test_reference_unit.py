@@ -462,6 +462,7 @@ def _payload(entries: dict[str, Any], track: list[str] | None = None, req: int =
         "entries": entries,
         "track_names": track or [],
         "requested_length": req,
+        "arguments": {},
         "kinds": kinds,
     }
 

@@ -200,7 +200,12 @@ class FakeDist:
         self.calls.append("all_gather_object")
         me = self.ranks.index(self.rank)
         for i in range(len(out)):
-            out[i] = obj if i == me else self.peers.get(i, obj)
+            peer = obj if i == me else self.peers.get(i, obj)
+            if isinstance(obj, dict) and isinstance(peer, dict) and "arguments" not in peer:
+                peer = {**peer, "arguments": obj.get("arguments")}  # peers pass the same ones
+            if i != me and isinstance(obj, tuple) and isinstance(obj[0], int):
+                peer = (obj[0], peer)  # broadcast_tensor's (src_rank, description): same source
+            out[i] = peer
 
     def broadcast(
         self,
