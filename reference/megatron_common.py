@@ -674,7 +674,10 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     (``"loss_values"``, ``"correct_values"``, ``"total_values"``) and 0.18's (``"values"``: the
     loss only, no acceptance counts). A rank whose ``MTPLossLoggingHelper.tracker`` holds
     neither ``"loss_values"`` nor ``"values"`` returns ``{}`` without entering any collective
-    (callers gate on the last pipeline stage and broadcast). Otherwise, when
+    (callers gate on the last pipeline stage and broadcast from it: megatron-core records the
+    MTP loss and counts in ``process_mtp_loss`` under ``post_process``, on the last stage, in
+    every layout, also when a flexible layout runs the MTP layers standalone on an earlier
+    stage). Otherwise, when
     ``torch.distributed`` is initialised, reduces with the installed helper's own method
     (0.19 ``reduce_metrics_in_tracker``: loss SUM over ``reduce_group`` then AVG over
     ``avg_group``, correct/total counts SUM over both; 0.18 ``reduce_loss_in_tracker``: the
