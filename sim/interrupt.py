@@ -6,7 +6,10 @@ some CI runners, inherits SIGINT *ignored*, and Python then leaves it ignored: C
 nothing). The first signal raises `Interrupted`, a `KeyboardInterrupt`, in the main thread:
 Hypothesis re-raises a `KeyboardInterrupt` without treating it as a test failure (it would
 treat a `SystemExit` as one and try to shrink it), and every context manager on the way up ends
-its worlds. Later signals are ignored, so they cannot cut that cleanup short
+its worlds. A signal that lands while the garbage collector runs a ``__del__`` or a
+``weakref.finalize`` callback would be raised there and dropped by Python ("Exception ignored
+in ..."), and the command would run to its end: it is delivered again right after
+(`inside_finalizer`). Later signals are ignored, so they cannot cut that cleanup short
 (it is bounded: a world's `close` takes a few seconds at most). The command then exits with
 ``128 + signum``: 130 for SIGINT, 143 for SIGTERM.
 
@@ -16,13 +19,31 @@ its own worlds), SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import signal
 import subprocess
-from types import FrameType, TracebackType
+import threading
+import weakref
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 HANDLED: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+REDELIVER_S = 0.01
+"""Delay before a signal that landed inside a finalizer is delivered again."""
+_FINALIZER_CODES: frozenset[CodeType] = frozenset({weakref.finalize.__call__.__code__})
+
+
+def inside_finalizer(frame: FrameType | None) -> bool:
+    """Whether ``frame`` runs inside a ``__del__`` or a ``weakref.finalize`` callback (which the
+    garbage collector may start at any allocation): an exception raised there is discarded."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__" or frame.f_code in _FINALIZER_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 CHILD_GRACE_S = 30.0
 """How long a child gets to end its own worlds after SIGTERM before it is killed."""
 
@@ -53,6 +74,11 @@ class SignalGuard:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             return  # cleanup of the first signal is under way: let it finish
+        if inside_finalizer(frame):
+            # Raised here, it would be printed and dropped ("Exception ignored in ...") and the
+            # command would run on: deliver the signal again once the finalizer has returned.
+            threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,)).start()
+            return
         self.received = signum
         raise Interrupted(signum)
 

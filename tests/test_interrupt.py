@@ -37,6 +37,29 @@ def test_the_first_signal_interrupts_and_later_ones_do_not(how: signal.Signals) 
     assert signal.getsignal(how) == before
 
 
+class SignalledWhileCollected:
+    """An object whose ``__del__`` gets the signal (the garbage collector runs ``__del__`` at
+    any allocation; an exception raised there is printed and dropped)."""
+
+    def __init__(self, how: signal.Signals) -> None:
+        self.how = how
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), self.how)
+        time.sleep(0.2)  # the handler runs in here
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_inside_a_finalizer_still_interrupts(how: signal.Signals) -> None:
+    with SignalGuard() as guard:
+        with pytest.raises(Interrupted) as caught:
+            SignalledWhileCollected(how)  # collected at once: the signal lands in __del__
+            assert guard.received is None  # not raised there (it would have been dropped) ...
+            time.sleep(5)  # ... but delivered again right after
+        assert caught.value.signum == how
+    assert guard.received == how
+
+
 def test_an_inherited_ignored_sigint_is_handled_anyway() -> None:
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

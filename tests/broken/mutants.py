@@ -49,6 +49,7 @@ PROPERTY_IDS: frozenset[str] = frozenset(
         "moe.router_mode",
         "moe.total_loss_dict",
         "moe.values",
+        "steps.interleaved",
         "mtp.acceptance_rate",
         "mtp.keys",
         "mtp.loss_scale",
@@ -134,6 +135,27 @@ class Mutant(BaseModel):
 
 
 _MUTANTS: list[Mutant] = [
+    Mutant(
+        name="mtp_clears_moe_tracker",
+        description=(
+            "get_mtp_metrics also clears the MoE aux-loss tracker after logging ('a new step "
+            "starts: reset every loss tracker'). Harmless while get_moe_metrics is called "
+            "first in every step; when a step calls get_mtp_metrics first, the MTP stage's "
+            "MoE losses are gone before get_moe_metrics reduces them. Scenario: one step, "
+            "get_mtp_metrics then get_moe_metrics, MoE layers on the last stage."
+        ),
+        edits=(
+            (
+                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n",
+                "    get_moe_metrics_tracker().clear()  # a new step starts: reset every tracker\n"
+                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n",
+            ),
+        ),
+        fails=("steps.interleaved",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+        caught_by_classes=("multi_step",),
+    ),
     Mutant(
         name="moe_plan_cached_after_first_call",
         description=(

@@ -580,6 +580,14 @@ def _names_from_the_second_step(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return first.get(AUX), second.get(AUX), fake.calls.count("all_gather_object")
 
 
+def _moe_after_mtp(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # The MoE tracker holds this step's AUX when get_mtp_metrics runs first.
+    _record(AUX, [2.0, 4.0])
+    set_mtp_tracker([4.0], [1.0], [2.0])
+    m.get_mtp_metrics(1.0)
+    return get_moe_metrics_tracker().metrics[AUX].values.tolist()
+
+
 SYNC_5 = [[(AUX, 5)]]
 
 
@@ -750,6 +758,7 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
         [[4.0, 2.0], [1.0, 1.0], [2.0, 2.0]],
     ),
+    "mtp_clears_moe_tracker": (_moe_after_mtp, [2.0, 4.0], [0.0, 0.0]),
     "moe_mtp_slots_only_on_last_stage": (
         _standalone_mtp_slots,
         [[1.0, 2.0, 3.0, 4.0, 10.0]],
