@@ -18,8 +18,10 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Iterator
 from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
@@ -155,6 +157,26 @@ def _broken_collective(done: Done) -> tuple[CollectiveCall, str] | None:
     return None
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back for the block; one that arrives meanwhile is delivered to
+    the handler in place when the block ends (raised right there by `SignalGuard`'s). Python
+    handlers run in the main thread only, so outside it the block holds nothing back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    arrived: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda n, _f: arrived.append(n)) for signum in held}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if arrived:
+            signal.raise_signal(arrived[0])
+
+
 def _kill_all(pids: list[int], directory: str) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -188,13 +210,16 @@ class World:
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.start_method = start_method
-        self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-")
         self.places: dict[int, RankPlace] = {}
         self.startup_s = 0.0
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._closed = False
-        self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
+        # A signal between creating the directory and registering its finalizer would leave
+        # the directory behind: both happen with SIGINT/SIGTERM held back (delivered after).
+        with signals_held():
+            self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-")
+            self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -219,13 +244,13 @@ class World:
         return [p.pid for p in self._procs if p.pid is not None]
 
     def start(self) -> World:
-        from pipemetrics.sim.rank import rank_main
-
         began = time.monotonic()
         spawned = self.start_method == "spawn"
-        context = multiprocessing.get_context("spawn") if spawned else fork_context()
         spec_json = self.spec.model_dump_json()
         try:
+            from pipemetrics.sim.rank import rank_main  # the first import takes seconds
+
+            context = multiprocessing.get_context("spawn") if spawned else fork_context()
             if not spawned:
                 _check_socket_room()
                 forkserver.ensure_running()
