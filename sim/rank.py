@@ -307,6 +307,13 @@ class RankServer:
                     members = tuple(spec.members)
                     if members not in self.new_groups:
                         self.new_groups[members] = dist.new_group(ranks=list(members))
+        # gloo connects a new group's pairs as it creates it; a member that raced ahead and
+        # destroyed the group (its call failing at once) closed a pair its peer was still
+        # connecting ("connectFullMesh failed ... Connection closed by peer"). A barrier of
+        # the members, outside the interposer, ends creation together.
+        for members, group in self.new_groups.items():
+            if self.rank in members:
+                dist.barrier(group=group)
 
     def _destroy_new_groups(self) -> None:
         """Destroy the task's new groups (local: no collective), so none outlives its task."""

@@ -248,7 +248,11 @@ class World:
         spawned = self.start_method == "spawn"
         spec_json = self.spec.model_dump_json()
         try:
-            from pipemetrics.sim.rank import rank_main  # the first import takes seconds
+            # The first import takes seconds (torch, megatron-core); a SIGINT at world start was
+            # twice seen to let the run go on (not reproduced here; code in those packages that
+            # catches every exception would do it): the signal is held back until it is done.
+            with signals_held():
+                from pipemetrics.sim.rank import rank_main
 
             context = multiprocessing.get_context("spawn") if spawned else fork_context()
             if not spawned:
