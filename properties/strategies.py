@@ -315,8 +315,7 @@ def step_scales(
     """The ``loss_scale`` of each of ``count`` steps. With ``forms`` (generator class
     ``argument_forms``) they include `LARGE_LOSS_SCALES` and take ``sign``, one sign per
     scenario so that ``total_loss_dict`` sums never cancel."""
-    large = forms
-    scales = loss_scales(setup.layout.microbatches, allow_one=allow_one, large=large)
+    scales = loss_scales(setup.layout.microbatches, allow_one=allow_one, large=forms)
     return [sign * draw(scales) for _ in range(count)]
 
 

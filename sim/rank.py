@@ -371,8 +371,6 @@ def megatron_pipeline_layout(setup: Setup, pp_rank: int) -> Iterator[None]:
     `pipemetrics.sim.pipeline_layout`); a disagreement is a harness fault, raised before
     anything is recorded.
     """
-    from megatron.core import parallel_state
-
     names = ("_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK")
     before = [getattr(parallel_state, name) for name in names]
     try:
