@@ -120,18 +120,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
     )
     with SignalGuard() as guard:
+        unwound = False
         try:
             _exit_with_parent()
             args = _parser().parse_args(argv)
             code = _dispatch(args)
         except Interrupted:
-            pass  # every world was ended on the way up
+            unwound = True  # every world was ended on the way up
         finally:
             from pipemetrics.sim.world import stop_forkserver
 
             stop_forkserver()
         if guard.received is not None:
             name = signal.Signals(guard.received).name
+            if not unwound:  # a bug of ours or of a package we call: say where it was lost
+                sys.stderr.write(
+                    f"pipemetrics: internal error: the {name} was caught by the code it landed "
+                    f"in and the command ran on; it landed here:\n{guard.raised_at}"
+                )
             sys.stderr.write(f"pipemetrics: interrupted by {name}; everything it started ended\n")
             sys.stderr.flush()
             return 128 + guard.received

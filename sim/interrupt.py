@@ -6,10 +6,11 @@ some CI runners, inherits SIGINT *ignored*, and Python then leaves it ignored: C
 nothing). The first signal raises `Interrupted`, a `KeyboardInterrupt`, in the main thread:
 Hypothesis re-raises a `KeyboardInterrupt` without treating it as a test failure (it would
 treat a `SystemExit` as one and try to shrink it), and every context manager on the way up ends
-its worlds. A signal that lands while the garbage collector runs a ``__del__`` or a
-``weakref.finalize`` callback would be raised there and dropped by Python ("Exception ignored
-in ..."), and the command would run to its end: it is delivered again right after
-(`inside_finalizer`). Later signals are ignored, so they cannot cut that cleanup short
+its worlds. A signal that lands while the garbage collector runs a finalizer (a ``__del__``, a
+``weakref.finalize`` or any weakref callback, such as multiprocessing's ``util.Finalize``) would
+be raised there and discarded by Python ("Exception ignored in ..."), and the command would run
+to its end: `sys.unraisablehook` sees every such discarded exception, and the guard's delivers
+the signal again right after. Later signals are ignored, so they cannot cut that cleanup short
 (it is bounded: a world's `close` takes a few seconds at most). The command then exits with
 ``128 + signum``: 130 for SIGINT, 143 for SIGTERM.
 
@@ -23,26 +24,15 @@ import _thread
 import contextlib
 import signal
 import subprocess
+import sys
 import threading
-import weakref
-from types import CodeType, FrameType, TracebackType
+import traceback
+from types import FrameType, TracebackType
 from typing import Any
 
 HANDLED: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 REDELIVER_S = 0.01
 """Delay before a signal that landed inside a finalizer is delivered again."""
-_FINALIZER_CODES: frozenset[CodeType] = frozenset({weakref.finalize.__call__.__code__})
-
-
-def inside_finalizer(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs inside a ``__del__`` or a ``weakref.finalize`` callback (which the
-    garbage collector may start at any allocation): an exception raised there is discarded."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__" or frame.f_code in _FINALIZER_CODES:
-            return True
-        frame = frame.f_back
-    return False
-
 
 CHILD_GRACE_S = 30.0
 """How long a child gets to end its own worlds after SIGTERM before it is killed."""
@@ -69,18 +59,26 @@ class SignalGuard:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.raised_at: str = ""
+        """Where the main thread was when `Interrupted` was raised (for a swallowed one)."""
         self._previous: dict[signal.Signals, Any] = {}
+        self._previous_unraisablehook: Any = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             return  # cleanup of the first signal is under way: let it finish
-        if inside_finalizer(frame):
-            # Raised here, it would be printed and dropped ("Exception ignored in ...") and the
-            # command would run on: deliver the signal again once the finalizer has returned.
+        self.received = signum
+        self.raised_at = "".join(traceback.format_stack(frame))
+        raise Interrupted(signum)
+
+    def _unraisable(self, unraisable: Any) -> None:
+        """An `Interrupted` raised where Python discards exceptions (a ``__del__``, a weakref
+        callback run by the garbage collector): deliver the signal again once that returned."""
+        if isinstance(unraisable.exc_value, Interrupted) and self.received is not None:
+            signum, self.received = self.received, None
             threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,)).start()
             return
-        self.received = signum
-        raise Interrupted(signum)
+        self._previous_unraisablehook(unraisable)
 
     @property
     def exit_code(self) -> int | None:
@@ -89,6 +87,8 @@ class SignalGuard:
     def __enter__(self) -> SignalGuard:
         for signum in HANDLED:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         return self
 
     def __exit__(
@@ -99,6 +99,7 @@ class SignalGuard:
     ) -> None:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+        sys.unraisablehook = self._previous_unraisablehook
 
 
 def signal_name(signum: int) -> str:

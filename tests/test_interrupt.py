@@ -10,7 +10,10 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,17 +48,48 @@ class SignalledWhileCollected:
         self.how = how
 
     def __del__(self) -> None:
-        os.kill(os.getpid(), self.how)
-        time.sleep(0.2)  # the handler runs in here
+        signal_and_wait(self.how)
+
+
+class Collectable:
+    pass
+
+
+def signal_and_wait(how: signal.Signals) -> None:
+    os.kill(os.getpid(), how)
+    time.sleep(0.2)  # the handler runs in here
+
+
+def collected_with_del(how: signal.Signals) -> Any:
+    return SignalledWhileCollected(how)
+
+
+def collected_with_finalize(how: signal.Signals) -> Any:
+    thing = Collectable()
+    weakref.finalize(thing, signal_and_wait, how)
+    return thing
+
+
+def collected_with_weakref_callback(how: signal.Signals) -> Any:
+    """What multiprocessing's ``util.Finalize`` (closing a started process's pipes) does."""
+    thing = Collectable()
+    thing.ref = weakref.ref(thing, lambda _ref: signal_and_wait(how))  # type: ignore[attr-defined]
+    return thing
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_inside_a_finalizer_still_interrupts(how: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    "make", [collected_with_del, collected_with_finalize, collected_with_weakref_callback]
+)
+def test_a_signal_inside_a_finalizer_still_interrupts(
+    how: signal.Signals, make: Callable[[signal.Signals], Any]
+) -> None:
     with SignalGuard() as guard:
         with pytest.raises(Interrupted) as caught:
-            SignalledWhileCollected(how)  # collected at once: the signal lands in __del__
-            assert guard.received is None  # not raised there (it would have been dropped) ...
-            time.sleep(5)  # ... but delivered again right after
+            thing = make(how)
+            del thing  # collected at once: the signal lands in its finalizer ...
+            assert guard.received is None  # ... where Python dropped it ...
+            time.sleep(5)  # ... and the guard delivers it again right after
         assert caught.value.signum == how
     assert guard.received == how
 
