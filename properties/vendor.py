@@ -53,8 +53,9 @@ def pipemetrics_version() -> str:
 def header(shown_dest: str, *, version: str, megatron_range: str) -> str:
     lines = [
         f"# Vendored from pipemetrics {version}: pipemetrics.reference.megatron_common.",
-        f"# Tested against megatron-core {megatron_range}; importing it under another release",
-        "# raises UnsupportedMegatronCoreError.",
+        f"# Tested against megatron-core {megatron_range}. Under another release it warns once",
+        "# (UntestedMegatronCoreWarning) and carries on when every megatron-core API it uses is",
+        "# present; it raises UnsupportedMegatronCoreError, naming the API, when one is missing.",
         "# Do not edit by hand. Regenerate with:",
         f"#     pipemetrics vendor {shown_dest}",
         "# and check this copy with:",

@@ -6,17 +6,22 @@ the standard library, ``torch`` and ``megatron.core`` (0.18/0.19 tracker API).
 
 Collective-safety rule used throughout: anything that may differ between ranks (arguments,
 what a rank recorded, buffers it passes) is first exchanged in ONE metadata round that every
-rank always enters (``all_gather_object``). Every rank then derives the same decision from the
+rank enters (``all_gather_object``). Every rank then derives the same decision from the
 same gathered data: either all ranks raise the same ``ValueError`` or all ranks enter the same
 data collectives, in the same order, with the same shapes and dtypes. No rank is ever left
-blocked in a collective its peers abandoned.
+blocked in a collective its peers abandoned. ``get_moe_metrics`` skips its metadata round in
+the steady state (every rank's tracker layout and arguments unchanged since the last round),
+which every rank establishes together in one fixed-size ``all_reduce`` it always enters.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import numbers
-import os
 import re
+import struct
+import warnings
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any, NamedTuple
@@ -26,17 +31,28 @@ import torch.distributed as dist
 
 # --------------------------------------------------------------------------- version guard
 
-#: The megatron-core releases this module is written and tested against: the ones with the live
+#: The megatron-core releases this module is tested against: the ones with the live
 #: ``MoEMetricsTracker`` (``megatron.core.transformer.moe.moe_logging``).
 SUPPORTED_MEGATRON_CORE = ">=0.18,<0.20"
 _SUPPORTED_MIN = (0, 18)  # inclusive (major, minor)
 _SUPPORTED_END = (0, 20)  # exclusive (major, minor)
-#: Set to 1 to import anyway on a release outside the range (e.g. a fork with its own version).
-_SKIP_CHECK_ENV = "PIPEMETRICS_SKIP_MEGATRON_VERSION_CHECK"
+#: What this module uses from megatron-core: (module, attribute). Their presence, not the
+#: version string, decides whether it can run (a fork or a git checkout has its own version).
+_REQUIRED_API: tuple[tuple[str, str], ...] = (
+    ("megatron.core.parallel_state", "model_parallel_is_initialized"),
+    ("megatron.core.parallel_state", "get_pipeline_model_parallel_group"),
+    ("megatron.core.transformer.moe.moe_logging", "get_moe_metrics_tracker"),
+    ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper"),
+)
 
 
 class UnsupportedMegatronCoreError(ImportError):
-    """The installed megatron-core is outside :data:`SUPPORTED_MEGATRON_CORE`."""
+    """The installed megatron-core lacks an API this module needs (the message names it)."""
+
+
+class UntestedMegatronCoreWarning(UserWarning):
+    """The installed megatron-core is outside :data:`SUPPORTED_MEGATRON_CORE` (or its version
+    cannot be read), but has every API this module needs: it carries on."""
 
 
 def _megatron_core_version() -> str | None:
@@ -53,26 +69,41 @@ def _megatron_core_version() -> str | None:
     return version if isinstance(version, str) else None
 
 
-def _check_megatron_core_version(version: str | None) -> None:
-    """Raise :class:`UnsupportedMegatronCoreError` unless ``version`` is in the supported range."""
-    if os.environ.get(_SKIP_CHECK_ENV, "") not in ("", "0"):
-        return
-    hint = f" (set {_SKIP_CHECK_ENV}=1 to import anyway, at your own risk)"
-    if version is None:
+def _is_tested(version: str | None) -> bool:
+    match = re.match(r"\s*v?(\d+)\.(\d+)", version or "")
+    return match is not None and _SUPPORTED_MIN <= (int(match[1]), int(match[2])) < _SUPPORTED_END
+
+
+def _check_megatron_core(version: str | None) -> None:
+    """Raise :class:`UnsupportedMegatronCoreError` naming every required API that is missing;
+    warn (:class:`UntestedMegatronCoreWarning`, once) when all are present but ``version`` is
+    outside the tested range or unknown."""
+    missing = []
+    for module_name, attribute in _REQUIRED_API:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            missing.append(f"{module_name} ({exc})")
+            continue
+        if not hasattr(module, attribute):
+            missing.append(f"{module_name}.{attribute}")
+    found = "not installed or of unknown version" if version is None else version
+    if missing:
         raise UnsupportedMegatronCoreError(
-            f"pipemetrics reference supports megatron-core {SUPPORTED_MEGATRON_CORE}; "
-            f"megatron-core is not installed or its version cannot be determined{hint}"
+            f"pipemetrics reference needs {', '.join(missing)}, missing in the installed "
+            f"megatron-core ({found}); it is tested with megatron-core {SUPPORTED_MEGATRON_CORE}"
         )
-    match = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    if match is None or not (_SUPPORTED_MIN <= (int(match[1]), int(match[2])) < _SUPPORTED_END):
-        raise UnsupportedMegatronCoreError(
-            f"pipemetrics reference supports megatron-core {SUPPORTED_MEGATRON_CORE}; "
-            f"found {version}{hint}"
+    if not _is_tested(version):
+        warnings.warn(
+            f"pipemetrics reference is tested with megatron-core {SUPPORTED_MEGATRON_CORE}; "
+            f"found {found}. Every API it uses is present, so it carries on",
+            UntestedMegatronCoreWarning,
+            stacklevel=2,
         )
 
 
-# Before the megatron.core imports below, so an unsupported release fails here, by name.
-_check_megatron_core_version(_megatron_core_version())
+# Before the megatron.core imports below, so a release without them fails here, by name.
+_check_megatron_core(_megatron_core_version())
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # noqa: E402
@@ -82,6 +113,7 @@ __all__ = [
     "SUPPORTED_MEGATRON_CORE",
     "_AUX_LOSS_TRACK_NAMES",
     "UnsupportedMegatronCoreError",
+    "UntestedMegatronCoreWarning",
     "_round_up_to_multiple",
     "broadcast_tensor",
     "get_aux_loss_track_names",
@@ -360,7 +392,7 @@ def _is_placeholder(entry: Any) -> bool:
     return (
         entry.reduce_group is None
         and entry.avg_group is None
-        and entry.needs_dp_avg is True
+        and getattr(entry, "needs_dp_avg", True) is True
         and not bool(entry.values.any())
     )
 
@@ -439,6 +471,11 @@ def _plan(
             errors.append(f"{argument} differs between ranks ({_ranks_by(given)})")
     if errors:
         return {}, {}, errors
+    # Entries travel as plain tuples: pickling them as _EntryMeta would need this module to be
+    # importable by name on every rank (not so for a copy loaded from a file path).
+    payloads = [
+        {**p, "entries": {n: _EntryMeta(*e) for n, e in p["entries"].items()}} for p in payloads
+    ]
     lengths: dict[str, int] = {}
     for p in payloads:
         for name, meta in p["entries"].items():
@@ -490,9 +527,108 @@ def _plan(
     return lengths, settings, errors
 
 
+#: Attribute of Megatron's tracker object under which a successful `get_moe_metrics` keeps
+#: what the next call needs to skip the metadata round (it lives and dies with the tracker).
+_STEADY_ATTR = "_pipemetrics_steady_state"
+
+
+class _SteadyState(NamedTuple):
+    """What one successful metadata round decided, for the calls after it."""
+
+    world: Any  # the default group it was agreed over
+    local: bytes  # this rank's payload (without loss_scale) as the NEXT call would describe it
+    digest: bytes  # of every rank's gathered payload: the same on every rank of that round
+    lengths: dict[str, int]
+    settings: dict[str, _EntryMeta]
+
+
+def _steady_key(payload: dict[str, Any]) -> bytes:
+    """This rank's payload without ``loss_scale`` (which the agreement round compares)."""
+    arguments = {k: v for k, v in payload["arguments"].items() if k != "loss_scale"}
+    return repr({**payload, "arguments": arguments}).encode()
+
+
+def _digest(payloads: list[Any]) -> bytes:
+    return hashlib.blake2b(b"\0".join(map(_steady_key, payloads)), digest_size=8).digest()
+
+
+def _halves(data: bytes) -> list[int]:
+    """8 bytes as two unsigned 32-bit ints (each negatable in int64)."""
+    return list(struct.unpack("<II", data))
+
+
+def _agreed_unchanged(
+    tracker: Any, payload: dict[str, Any], scale: float | None, device: str
+) -> _SteadyState | None:
+    """The agreement round: ONE ``all_reduce(MAX)`` of 9 int64 over the world, entered by every
+    rank on every call. Returns the kept state when every rank's payload is unchanged since
+    the last successful metadata round, every rank kept the state of the SAME round (digest)
+    and every rank passes the same ``loss_scale`` (its float64 bits); else ``None`` and the
+    caller runs the metadata round. A change on one rank only is seen by every rank, so all
+    of them take the same path."""
+    found = getattr(tracker, _STEADY_ATTR, None)
+    kept = found if isinstance(found, _SteadyState) else None
+    unchanged = (
+        kept is not None
+        and payload["error"] is None
+        and scale is not None
+        and kept.world is dist.group.WORLD
+        and kept.local == _steady_key(payload)
+    )
+    digest = _halves(kept.digest) if kept is not None and unchanged else [0, 0]
+    bits = _halves(struct.pack("<d", scale)) if scale is not None else [0, 0]
+    mine = [0 if unchanged else 1, *digest, *(-x for x in digest), *bits, *(-x for x in bits)]
+    agreed = torch.tensor(mine, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    top = agreed.tolist()
+    if top[0] == 0 and all(top[i] == -top[i + 2] for i in (1, 2, 5, 6)):
+        return kept
+    return None
+
+
 def _sig(d: _GroupDesc) -> _GroupDesc:
     """Rank-independent form of a group description (custom member lists differ per rank)."""
     return ("custom", None) if d is not None and d[0] == "custom" else d
+
+
+def _sync(tracker: Any, names: list[str]) -> None:
+    """Megatron's reduction of the named entries, in order: the tracker's own
+    ``_sync_metrics`` (private API) when it has one, else the same reduction written out (0.18
+    and 0.19 without a ``pg_collection``): per name, SUM over the pipeline group, SUM over its
+    ``reduce_group``, AVG over its ``avg_group``, then, with ``needs_dp_avg`` (a
+    ``MetricEntry`` field; True when absent), AVG over the data-parallel group without context
+    parallelism."""
+    sync = getattr(tracker, "_sync_metrics", None)
+    if callable(sync):
+        sync(names)
+        return
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+    for name in names:
+        entry = tracker.metrics[name]
+        dist.all_reduce(entry.values, group=pp_group)
+        if entry.reduce_group is not None:
+            dist.all_reduce(entry.values, group=entry.reduce_group)
+        if entry.avg_group is not None:
+            dist.all_reduce(entry.values, group=entry.avg_group, op=dist.ReduceOp.AVG)
+        if getattr(entry, "needs_dp_avg", True):
+            dist.all_reduce(entry.values, group=dp_group, op=dist.ReduceOp.AVG)
+
+
+def _describe_entries(tracker: Any, known: list[tuple[str, Any]]) -> dict[str, tuple[Any, ...]]:
+    """This rank's tracker entries as the metadata round sends them (placeholders left out):
+    the fields of an `_EntryMeta`, as a plain tuple."""
+    return {
+        name: (
+            int(entry.values.numel()),
+            str(entry.values.dtype),
+            _describe_group(entry.reduce_group, known),
+            _describe_group(entry.avg_group, known),
+            bool(getattr(entry, "needs_dp_avg", True)),
+        )
+        for name, entry in tracker.metrics.items()
+        if not _is_placeholder(entry)
+    }
 
 
 def get_moe_metrics(
@@ -510,6 +646,15 @@ def get_moe_metrics(
     Must be called on EVERY rank of the default (world) group; collectively safe whatever
     each rank recorded. Steps:
 
+    0. Agreement round: one ``all_reduce(MAX)`` of 9 int64 over the world. Each rank says
+       whether its metadata below (``loss_scale`` aside) is what the last successful call left,
+       which round that call's decision came from (a digest of every rank's metadata) and
+       the bits of its ``loss_scale``. When no rank changed, all name the same round and pass
+       the same ``loss_scale``, that round's decision stands and step 1 is skipped: the call
+       then runs Megatron's own reduction (``_sync_metrics``, as ``report()`` does) plus this
+       one collective. Any change, on one rank or all, sends every rank to step 1. The
+       decision is kept on Megatron's tracker object (attribute
+       ``_pipemetrics_steady_state``), so it ends with the tracker.
     1. Metadata round: ``all_gather_object`` over the world of each rank's argument errors,
        local tracker entries ``{name: (length, dtype, reduce group, avg group,
        needs_dp_avg)}``, ``track_names`` and requested length ``num_layers +
@@ -533,7 +678,8 @@ def get_moe_metrics(
        AVG over tensor+data+context, DP avg; other names -> no groups, DP avg). An all-zero
        local entry with Megatron's default settings (a pre-initialised placeholder) counts
        as missing.
-    4. ``tracker._sync_metrics(sorted(live))``: per name, in sorted order: pipeline SUM,
+    4. ``tracker._sync_metrics(sorted(live))`` (or, on a release without that private
+       method, the same reduction written out): per name, in sorted order: pipeline SUM,
        reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism).
 
     Returns (identical on every rank), for each live name in sorted order,
@@ -553,18 +699,10 @@ def get_moe_metrics(
     if distributed and error is None and not parallel_state.model_parallel_is_initialized():
         error = "megatron.core.parallel_state is not initialised"
     known = _known_groups() if distributed and error is None else []
-    local: dict[str, _EntryMeta] = {}
+    local: dict[str, tuple[Any, ...]] = {}
     if error is None:
         try:
-            for name, entry in tracker.metrics.items():
-                if not _is_placeholder(entry):
-                    local[name] = _EntryMeta(
-                        int(entry.values.numel()),
-                        str(entry.values.dtype),
-                        _describe_group(entry.reduce_group, known),
-                        _describe_group(entry.avg_group, known),
-                        bool(entry.needs_dp_avg),
-                    )
+            local = _describe_entries(tracker, known)
         except Exception as exc:  # e.g. a group this rank cannot query
             error = f"cannot describe the local tracker entries: {exc!r}"
     names = list(track_names or [])
@@ -585,18 +723,25 @@ def get_moe_metrics(
             "num_moe_layers": num_moe_layers,
         },
     }
-    payloads: list[Any] = [payload]
-    if distributed:
-        payloads = [None] * dist.get_world_size()
-        dist.all_gather_object(payloads, payload)
-    lengths, settings, errors = _plan(payloads, distributed)
-    _raise_if_any(errors, "get_moe_metrics")
     scale = _loss_scale_value(loss_scale)
-    assert scale is not None  # checked by _validate_args on every rank
-
     device = "cpu"
     if distributed and dist.get_backend() == "nccl":
         device = f"cuda:{torch.cuda.current_device()}"
+    kept = _agreed_unchanged(tracker, payload, scale, device) if distributed else None
+    if kept is not None:  # steady state: the last round's decision stands on every rank
+        lengths, settings, digest = kept.lengths, kept.settings, kept.digest
+    else:
+        payloads: list[Any] = [payload]
+        if distributed:
+            payloads = [None] * dist.get_world_size()
+            dist.all_gather_object(payloads, payload)
+        lengths, settings, errors = _plan(payloads, distributed)
+        if errors and hasattr(tracker, _STEADY_ATTR):
+            delattr(tracker, _STEADY_ATTR)
+        _raise_if_any(errors, "get_moe_metrics")
+        digest = _digest(payloads)
+    assert scale is not None  # checked by _validate_args on every rank
+
     groups = dict(known)
     for name in sorted(lengths):
         if name not in local:
@@ -613,7 +758,12 @@ def get_moe_metrics(
         if short > 0:
             entry.values = torch.cat([entry.values, entry.values.new_zeros(short)])
     if distributed:
-        tracker._sync_metrics(sorted(lengths))
+        # What the next call will find if the tracker's layout does not change (taken before
+        # the reduction: an entry created here is still all zero, as it will be then).
+        after = {**payload, "entries": _describe_entries(tracker, known)}
+        steady = _SteadyState(dist.group.WORLD, _steady_key(after), digest, lengths, settings)
+        setattr(tracker, _STEADY_ATTR, steady)
+        _sync(tracker, sorted(lengths))
 
     result: dict[str, Any] = {}
     per_layer: dict[str, Any] = {}

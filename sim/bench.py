@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipemetrics.sim.call_cost import CallCost, measure_call_cost
 from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
@@ -91,6 +92,8 @@ class Plan:
     preloaded_starts: int
     run_check: bool
     check_timeout_s: float
+    cost_steps: int
+    """Steps of each raw run that times a steady ``get_moe_metrics`` call."""
 
 
 def make_plan(quick: bool, check_timeout_s: float) -> Plan:
@@ -107,6 +110,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
             preloaded_starts=1,
             run_check=False,
             check_timeout_s=check_timeout_s,
+            cost_steps=4,
         )
     return Plan(
         quick=False,
@@ -120,6 +124,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         preloaded_starts=5,
         run_check=True,
         check_timeout_s=check_timeout_s,
+        cost_steps=30,
     )
 
 
@@ -263,6 +268,7 @@ class Results:
     deadlock_run_ms: list[float] = field(default_factory=list)
     raw_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
+    call_cost: list[CallCost] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -363,6 +369,24 @@ def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None
         )
 
 
+def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    with WorldPool(max_ranks=max(plan.sizes)) as pool:
+        for size in plan.sizes:
+            leftovers.note(pool.world(pipeline_world(size)))
+        try:
+            results.call_cost = measure_call_cost(
+                list(plan.sizes), pool, timed_steps=plan.cost_steps, deadline_s=DEADLINE_S
+            )
+        except RuntimeError as exc:
+            raise BenchError(f"call cost: {exc}") from exc
+    for cost in results.call_cost:
+        _err(
+            f"call cost {cost.world_size} ranks, {cost.target}: steady "
+            f"{cost.steady.collectives} collectives, {cost.steady.bytes} B, "
+            f"{cost.steady_ms:.2f} ms"
+        )
+
+
 def measure_check(plan: Plan, results: Results) -> bool:
     """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
     with tempfile.TemporaryDirectory(prefix="pipemetrics-bench-check-") as directory:
@@ -459,6 +483,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         },
         "world_start_s": {"cold": _num(cold), "preloaded": _num(preloaded)},
         "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
+        "call_cost": _call_cost(results.call_cost),
         "quick": plan.quick,
         "machine": machine_info(),
         "details": {
@@ -502,11 +527,35 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "deadlock_verdict_ms: Verdict.latency_ms, from the last rank blocking (or its peer "
             "returning) to the verdict; raw mode can only see the hang at the deadline: its "
             "figure is wall time from the start of the run to the timeout verdict",
+            "call_cost: get_moe_metrics of the reference and of megatron-core's own report() "
+            "(built-in target megatron-core) on the same steps in the same worlds; collectives "
+            "and bytes moved into the busiest rank per call from a gated run (the first call "
+            "and the steady state apart), steady_ms the median wall time of a steady call in a "
+            f"raw run of {plan.cost_steps} steps",
             "world_start_s: cold is a spawned 4-rank world, preloaded a 4-rank world forked "
             "from the warm fork server (World.startup_s, median)",
             *results.notes,
         ],
     }
+
+
+def _call_cost(costs: list[CallCost]) -> dict[str, dict[str, Any]]:
+    """{size: {"reference": ..., "megatron": ..., "steady_extra": ...}}: the steady extra is
+    what the reference adds to Megatron's report() per call, in collectives, bytes and ratio of
+    wall time."""
+    out: dict[str, dict[str, Any]] = {}
+    for cost in costs:
+        side = cost.model_dump(exclude={"target", "world_size"})
+        side["steady_ms"] = _num(cost.steady_ms)
+        out.setdefault(str(cost.world_size), {})[cost.target] = side
+    for sides in out.values():
+        ours, theirs = sides["reference"], sides["megatron"]
+        sides["steady_extra"] = {
+            "collectives": ours["steady"]["collectives"] - theirs["steady"]["collectives"],
+            "bytes": ours["steady"]["bytes"] - theirs["steady"]["bytes"],
+            "ms_ratio": _num(ours["steady_ms"] / theirs["steady_ms"]),
+        }
+    return out
 
 
 def _fmt_rate(value: float) -> str:
@@ -543,6 +592,15 @@ def table(data: dict[str, Any]) -> str:
         f"| world start, 4 ranks (preloaded vs cold spawn) | {start['preloaded']:.2f} s | "
         f"{start['cold']:.2f} s | {start['cold'] / start['preloaded']:.0f}x |"
     )
+    for size, sides in data["call_cost"].items():
+        ours, theirs = sides["reference"], sides["megatron"]
+        lines.append(
+            f"| get_moe_metrics steady call, {size} ranks (reference vs Megatron report()): "
+            f"collectives, bytes, ms | {ours['steady']['collectives']}, "
+            f"{ours['steady']['bytes']} B, {ours['steady_ms']:.2f} ms | "
+            f"{theirs['steady']['collectives']}, {theirs['steady']['bytes']} B, "
+            f"{theirs['steady_ms']:.2f} ms | {sides['steady_extra']['ms_ratio']:.2f}x |"
+        )
     check = data["check_ci_profile_s"]
     lines.append(
         "| pipemetrics check, reference, ci profile | "
@@ -590,6 +648,7 @@ def run_bench(args: argparse.Namespace) -> int:
         measure_persistent(plan, results, leftovers)
         measure_spawn(plan, results, leftovers)
         measure_deadlock(plan, results, leftovers)
+        measure_cost(plan, results, leftovers)
         check_ok = measure_check(plan, results) if plan.run_check else True
         data = report(plan, results, leftovers)
     except BenchError as exc:

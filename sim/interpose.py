@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import pickle
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -92,6 +93,24 @@ def describe_value(name: str, value: object) -> str:
     if name == "op" or type(value).__name__ in ("ReduceOp", "RedOpType"):
         return reduce_op_name(value)
     return repr(value)
+
+
+def payload_bytes(op: str, arguments: dict[str, Any]) -> int:
+    """Bytes of the data this rank hands to the collective: its tensors (a list of them summed)
+    and, for an object collective, its objects as pickled (what torch sends for them)."""
+    total = 0
+    for name, value in arguments.items():
+        if name == "obj" or (name == "object_list" and op == "broadcast_object_list"):
+            for item in value if name == "object_list" else [value]:
+                try:
+                    total += len(pickle.dumps(item))
+                except Exception:  # torch would fail on it too; the call reports that
+                    continue
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, list | tuple):
+            total += sum(v.numel() * v.element_size() for v in value if isinstance(v, torch.Tensor))
+    return total
 
 
 def call_site(limit: int = 4) -> tuple[str, ...]:
@@ -237,6 +256,7 @@ class Interposer:
             call_site=call_site(),
             started_s=time.monotonic(),
             outcome=outcome,
+            payload_bytes=payload_bytes(op, bound.arguments),
         )
 
 

@@ -37,6 +37,8 @@ class CollectiveCall(Frozen):
     outcome: Literal["pending", "ran", "aborted", "local", "not-member", "rejected", "failed"] = (
         "pending"
     )
+    payload_bytes: int = 0
+    """Bytes of this rank's data in the call (`pipemetrics.sim.interpose.payload_bytes`)."""
 
     def describe(self) -> str:
         sig = ", ".join(f"{k}={v}" for k, v in self.signature)

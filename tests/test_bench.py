@@ -53,6 +53,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
 
     contract = {
         "examples_per_s", "speedup", "deadlock_verdict_ms", "world_start_s", "check_ci_profile_s",
+        "call_cost",
     }  # fmt: skip
     assert contract <= set(data)
     rates = data["examples_per_s"]
@@ -74,11 +75,28 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert data["check_ci_profile_s"] is None, "--quick skips the check run"
     assert data["quick"] is True
 
+    assert set(data["call_cost"]) == QUICK_SIZES
+    for size, sides in data["call_cost"].items():
+        assert set(sides) == {"reference", "megatron", "steady_extra"}, size
+        for side in (sides["reference"], sides["megatron"]):
+            for call in (side["first"], side["steady"]):
+                assert positive(call["collectives"]) and positive(call["bytes"]), (size, side)
+                assert isinstance(call["collectives"], int) and isinstance(call["bytes"], int)
+            assert positive(side["steady_ms"]), (size, side)
+        extra, ours, theirs = sides["steady_extra"], sides["reference"], sides["megatron"]
+        assert extra["collectives"] == (
+            ours["steady"]["collectives"] - theirs["steady"]["collectives"]
+        )
+        assert math.isclose(
+            extra["ms_ratio"], ours["steady_ms"] / theirs["steady_ms"], rel_tol=1e-2
+        )
+
     machine = data["machine"]
     assert positive(machine["cores"])
     assert all(isinstance(machine[k], str) for k in ("python", "torch", "megatron-core"))
 
     assert "examples/s" in done.stdout and "deadlock verdict" in done.stdout
+    assert "get_moe_metrics steady call" in done.stdout
 
     left = data["leftovers"]
     assert left["rank_pids_started"] > 0 and left["world_dirs_started"] > 0

@@ -5,6 +5,7 @@ bounded by the scenario deadline and the pool kills what it started."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -275,3 +276,175 @@ def test_a_source_rank_that_differs_between_ranks_raises_everywhere(pool: Tracki
     seen = errors(result)
     assert len(set(seen.values())) == 1, seen
     assert "src_rank differs between ranks (ranks [0, 1]: 0; ranks [2]: 1)" in seen[0], seen[0]
+
+
+# -- the steady state: one fixed-size agreement round instead of the metadata round ------------
+
+
+def collectives(result: WorldRun, step: int) -> dict[int, list[tuple[Any, ...]]]:
+    """Every rank's collectives in the first call of ``step`` that communicate (a group of one
+    is local): (op, group ranks, signature)."""
+    out = {}
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        report = next(r for r in rank_result.done.reports if (r.step, r.call) == (step, 0))
+        assert report.error is None, f"rank {rank}: {report.error}"
+        out[rank] = [
+            (c.op, c.group_ranks, c.signature) for c in report.collectives if c.outcome != "local"
+        ]
+    return out
+
+
+AGREEMENT = ("all_reduce", (0, 1, 2, 3), (("tensor", "torch.int64[9]@cpu"), ("op", "MAX")))
+
+
+def test_steady_state_adds_one_fixed_size_collective_to_megatrons_report(
+    pool: TrackingPool,
+) -> None:
+    # pp=2 x dp=2, the same names recorded every step: from the second call on, the reference
+    # runs what Megatron's report() runs plus one all_reduce of 9 int64 over the world.
+    layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 0, 1, 1])
+    records = StepRecords(moe={r: [moe(AUX, 3, 1.0, 4), moe(AUX, 4, 2.0, 4)] for r in (2, 3)})
+    call = MoeCall(loss_scale=0.5, num_layers=4, track_names=[AUX])
+    steps = [(records, [call])] * 3
+    world = WorldSpec(pp=2, dp=2)
+    ours = run(pool, world, layout, steps)
+    megatron = pool.run(
+        Scenario(
+            setup=Setup(world=world, layout=layout),
+            steps=[Step(records=r, calls=c) for r, c in steps],
+            deadline_s=DEADLINE_S,
+            target="megatron-core",
+        )
+    )
+    assert megatron.verdict.kind == "ok", megatron.verdict.message
+    first = collectives(ours, 0)
+    for rank, calls in first.items():
+        assert calls[0] == AGREEMENT, calls[0]
+        assert [c[0] for c in calls].count("all_gather_object") == 1, rank  # nothing kept yet
+    for step in (1, 2):
+        theirs = collectives(megatron, step)
+        for rank, calls in collectives(ours, step).items():
+            assert calls[0] == AGREEMENT, calls
+            assert calls[1:] == theirs[rank], f"rank {rank}, step {step}"
+    for step in range(3):
+        assert_every_rank_at(ours, step, {AUX: 0.5 * 3.0 / 4})
+
+
+def assert_every_rank_at(result: WorldRun, step: int, expected: dict[str, float]) -> None:
+    for rank, got in values(result, step=step).items():
+        assert set(got) == set(expected), f"rank {rank}, step {step}: keys {sorted(got)}"
+        for key, want in expected.items():
+            assert math.isclose(got[key], want, rel_tol=1e-6), (rank, step, key, got[key])
+
+
+def test_a_change_on_one_rank_after_the_steady_state_reaches_every_rank(pool: TrackingPool) -> None:
+    # pp=2: stage 1 records aux every step; in step 2 rank 0 alone records a new name. Every
+    # rank must leave the steady state together (a rank that did alone would hang its peers).
+    layout = ModelLayout(num_layers=4)
+    steady = StepRecords(moe={1: [moe(AUX, 3, 1.0, 4)]})
+    changed = StepRecords(moe={0: [moe("z_loss", 1, 2.0, 4)], 1: [moe(AUX, 3, 1.0, 4)]})
+    call = MoeCall(loss_scale=0.5, num_layers=4)
+    result = run(pool, WorldSpec(pp=2), layout, [(steady, [call])] * 2 + [(changed, [call])])
+    for step, gathered in ((0, 1), (1, 0), (2, 1)):
+        for rank, calls in collectives(result, step).items():
+            ops = [c[0] for c in calls]
+            assert ops.count("all_gather_object") == gathered, (step, rank, ops)
+    assert_every_rank_at(result, 1, {AUX: 0.5 / 4})
+    assert_every_rank_at(result, 2, {AUX: 0.5 / 4, "z_loss": 0.5 * 2.0 / 4})
+
+
+def test_arguments_that_differ_after_the_steady_state_raise_everywhere(pool: TrackingPool) -> None:
+    layout = ModelLayout(num_layers=4)
+    records = StepRecords(moe={r: [moe(AUX, 1 + r // 2 * 2, 1.0, 4)] for r in range(4)})
+    same = MoeCall(loss_scale=0.5, num_layers=4, track_names=[AUX])
+    differ = same.model_copy(update={"overrides": {3: {"loss_scale": 0.25}}})
+    result = pool.run(
+        Scenario(
+            setup=Setup(world=WorldSpec(pp=2, dp=2), layout=layout),
+            steps=[Step(records=records, calls=[c]) for c in (same, same, differ)],
+            deadline_s=DEADLINE_S,
+        )
+    )
+    assert result.verdict.kind == "ok", result.verdict.message
+    seen = {}
+    for rank, rank_result in result.ranks.items():
+        assert rank_result.done is not None
+        report = next(r for r in rank_result.done.reports if r.step == 2)
+        assert report.error is not None, f"rank {rank} returned {report.value}"
+        seen[rank] = report.error.message
+    assert len(set(seen.values())) == 1, seen
+    assert "loss_scale differs between ranks (ranks [0, 1, 2]: 0.5; ranks [3]: 0.25)" in seen[0]
+
+
+# -- private megatron-core API: a release without tracker._sync_metrics -------------------------
+
+WITHOUT_PRIVATE_SYNC = '''
+"""The reference, run against a tracker that has no ``_sync_metrics`` (a release without that
+private method). The reference source is executed as a module of its own, so nothing of the
+rank process's pipemetrics.reference changes."""
+import importlib.util
+
+from megatron.core.transformer.moe import moe_logging
+
+spec = importlib.util.spec_from_file_location("reference_without_private_sync", {source!r})
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+
+
+class TrackerWithoutPrivateSync:
+    def __init__(self, tracker):
+        object.__setattr__(self, "_tracker", tracker)
+
+    def __getattr__(self, name):
+        if name == "_sync_metrics":
+            raise AttributeError(name)
+        return getattr(self._tracker, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._tracker, name, value)
+
+
+module.get_moe_metrics_tracker = lambda: TrackerWithoutPrivateSync(
+    moe_logging.get_moe_metrics_tracker()
+)
+get_moe_metrics = module.get_moe_metrics
+'''
+
+
+def test_without_the_private_sync_method_the_reduction_is_the_same(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    from pipemetrics.reference import megatron_common
+
+    target = tmp_path / "without_private_sync.py"
+    target.write_text(WITHOUT_PRIVATE_SYNC.format(source=megatron_common.__file__))
+    # pp=2 x dp=2 with tensor parallelism off: aux (reduce group, dp avg) and z_loss (avg group).
+    layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 1, 1, 1], z_loss_coeff=0.001)
+    records = StepRecords(
+        moe={
+            r: [
+                moe(name, layer, 0.5 * layer + r, 4) for layer in (3, 4) for name in (AUX, "z_loss")
+            ]
+            for r in (2, 3)
+        }
+    )
+    records.moe[0] = [moe(AUX, 2, 1.5, 4), moe("z_loss", 2, 0.25, 4)]
+    records.moe[1] = [moe(AUX, 2, 2.5, 4), moe("z_loss", 2, 0.75, 4)]
+    call = MoeCall(
+        loss_scale=0.5, num_layers=4, track_names=[AUX, "z_loss"], per_layer_logging=True
+    )
+    steps = [(records, [call])] * 2
+    world = WorldSpec(pp=2, dp=2)
+    ours = run(pool, world, layout, steps)
+    scenario = Scenario(
+        setup=Setup(world=world, layout=layout),
+        steps=[Step(records=r, calls=c) for r, c in steps],
+        deadline_s=DEADLINE_S,
+        target=str(target),
+    )
+    fallback = pool.run(scenario)
+    assert fallback.verdict.kind == "ok", fallback.verdict.message
+    for step in (0, 1):
+        assert values(fallback, step=step) == values(ours, step=step)
+        assert collectives(fallback, step) == collectives(ours, step)

@@ -1,4 +1,5 @@
-"""The reference refuses an unsupported megatron-core at import, naming the supported range.
+"""The reference decides at import by the APIs present, not by the version string: a missing
+API is refused by name; an untested version with every API warns once and carries on.
 
 The module source is exec'd afresh in an empty namespace with the version lookup monkeypatched
 (``importlib.metadata.version``, then megatron's own ``package_info`` as the fallback), so no
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 import tomllib
 import types
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -42,65 +44,92 @@ def fake_version(found: str | None) -> object:
     return version
 
 
-@pytest.fixture(autouse=True)
-def _no_override(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("PIPEMETRICS_SKIP_MEGATRON_VERSION_CHECK", raising=False)
-
-
-def test_installed_version_is_supported() -> None:
-    module = exec_reference()
+def test_installed_version_is_tested_and_imports_silently() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = exec_reference()
     assert callable(module.get_moe_metrics)
     assert module.SUPPORTED_MEGATRON_CORE == ">=0.18,<0.20"
-    module._check_megatron_core_version(metadata.version("megatron-core"))
+    assert module._is_tested(metadata.version("megatron-core"))
 
 
 @pytest.mark.parametrize(
     "found", ["0.18.0", "0.18.2", "0.19.0", "0.19.2", "0.19.2+abc123", "0.18.0rc1"]
 )
-def test_supported_versions_import(monkeypatch: pytest.MonkeyPatch, found: str) -> None:
-    monkeypatch.setattr(metadata, "version", fake_version(found))
-    assert callable(exec_reference().get_mtp_metrics)
-
-
-@pytest.mark.parametrize("found", ["0.17.1", "0.16.0", "0.20.0", "0.20.0rc0", "1.0.0", "garbage"])
-def test_unsupported_version_is_refused_by_name(
+def test_tested_versions_import_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, found: str
 ) -> None:
     monkeypatch.setattr(metadata, "version", fake_version(found))
-    with pytest.raises(ImportError) as info:
-        exec_reference()
-    # the exec'd module defines its own class; an ImportError, so `except ImportError` still works
-    assert type(info.value).__name__ == "UnsupportedMegatronCoreError"
-    message = str(info.value)
-    assert message.startswith(
-        f"pipemetrics reference supports megatron-core >=0.18,<0.20; found {found}"
-    ), message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callable(exec_reference().get_mtp_metrics)
 
 
-def test_fallback_to_package_info(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron.core import package_info
+@pytest.mark.parametrize(
+    "found", ["0.20.0", "0.20.0rc0", "0.21.0.dev0+g1a2b3c", "1.0.0", "garbage", "0.17.1"]
+)
+def test_an_untested_version_with_every_api_warns_once_and_carries_on(
+    monkeypatch: pytest.MonkeyPatch, found: str
+) -> None:
+    """A release candidate, a git checkout or a fork's own version string must not break a
+    training job at import: the APIs are there (the installed release's), so it carries on."""
+    monkeypatch.setattr(metadata, "version", fake_version(found))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        module = exec_reference()
+    assert callable(module.get_moe_metrics)
+    untested = [w for w in seen if type(w.message).__name__ == "UntestedMegatronCoreWarning"]
+    assert len(untested) == 1, [str(w.message) for w in seen]
+    assert str(untested[0].message).startswith(
+        f"pipemetrics reference is tested with megatron-core >=0.18,<0.20; found {found}"
+    )
 
-    monkeypatch.setattr(metadata, "version", fake_version(None))
-    monkeypatch.setattr(package_info, "__version__", "0.17.1")
-    with pytest.raises(ImportError, match=re.escape("found 0.17.1")):
-        exec_reference()
-    monkeypatch.setattr(package_info, "__version__", "0.19.2")
-    assert callable(exec_reference().get_moe_metrics)
 
-
-def test_unknown_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unknown_version_warns_and_carries_on(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron.core import package_info
 
     monkeypatch.setattr(metadata, "version", fake_version(None))
     monkeypatch.delattr(package_info, "__version__")
-    with pytest.raises(ImportError, match="cannot be determined"):
+    with pytest.warns(UserWarning, match="found not installed or of unknown version"):
+        assert callable(exec_reference().get_moe_metrics)
+
+
+def test_version_falls_back_to_package_info(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core import package_info
+
+    monkeypatch.setattr(metadata, "version", fake_version(None))
+    monkeypatch.setattr(package_info, "__version__", "0.20.1")
+    with pytest.warns(UserWarning, match=re.escape("found 0.20.1")):
         exec_reference()
+    monkeypatch.setattr(package_info, "__version__", "0.19.2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callable(exec_reference().get_moe_metrics)
 
 
-def test_override_lets_a_fork_import(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(metadata, "version", fake_version("0.21.0.dev0"))
-    monkeypatch.setenv("PIPEMETRICS_SKIP_MEGATRON_VERSION_CHECK", "1")
-    assert callable(exec_reference().get_moe_metrics)
+def test_a_missing_api_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What megatron-core 0.13-0.17 look like to it: no moe_logging tracker (a tested version
+    string changes nothing: the APIs decide)."""
+    from megatron.core.transformer.moe import moe_logging
+
+    monkeypatch.setattr(metadata, "version", fake_version("0.19.2"))
+    monkeypatch.delattr(moe_logging, "get_moe_metrics_tracker")
+    with pytest.raises(ImportError) as info:
+        exec_reference()
+    # the exec'd module defines its own class; an ImportError, so `except ImportError` still works
+    assert type(info.value).__name__ == "UnsupportedMegatronCoreError"
+    assert str(info.value).startswith(
+        "pipemetrics reference needs megatron.core.transformer.moe.moe_logging."
+        "get_moe_metrics_tracker, missing in the installed megatron-core (0.19.2)"
+    ), str(info.value)
+
+
+def test_a_missing_module_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.multi_token_prediction", None)
+    with pytest.raises(ImportError, match=r"needs megatron\.core\.transformer\.multi_token_pred"):
+        exec_reference()
 
 
 def test_pyproject_declares_the_same_range() -> None:

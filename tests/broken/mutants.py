@@ -160,36 +160,36 @@ _MUTANTS: list[Mutant] = [
         name="moe_plan_cached_after_first_call",
         description=(
             "get_moe_metrics skips the metadata round after its first call and reuses the "
-            "first plan for the same arguments (the 'steady state' shortcut, with no check "
-            "that the tracker's names are unchanged). Harmless while every step records the "
+            "first plan (the 'steady state' shortcut, with no check that the tracker's names "
+            "are unchanged). Harmless while every step records the "
             "same names; when the first call follows a forward-only step (nothing recorded, "
             "e.g. an evaluation pass) and the names appear from the second step on, they are "
             "dropped from every later result. Scenario: two steps, the first records nothing, "
             "track_names=None."
         ),
-        edits=(
-            (
-                "    payloads: list[Any] = [payload]\n"
-                "    if distributed:\n"
-                "        payloads = [None] * dist.get_world_size()\n"
-                "        dist.all_gather_object(payloads, payload)\n"
-                "    lengths, settings, errors = _plan(payloads, distributed)\n",
-                "    plans = tracker.__dict__.setdefault('_plans', {})  # kept with the tracker\n"
-                "    key = (num_layers, mtp_num_layers, tuple(names))\n"
-                "    if key in plans:  # steady state: the same names every step\n"
-                "        lengths, settings, errors = plans[key]\n"
-                "    else:\n"
-                "        payloads: list[Any] = [payload]\n"
-                "        if distributed:\n"
-                "            payloads = [None] * dist.get_world_size()\n"
-                "            dist.all_gather_object(payloads, payload)\n"
-                "        lengths, settings, errors = _plan(payloads, distributed)\n"
-                "        plans[key] = (lengths, settings, errors)\n",
-            ),
-        ),
+        edits=(("        and kept.local == _steady_key(payload)\n", ""),),
         fails=("moe.reset", "moe.total_loss_dict"),
         functions=("get_moe_metrics",),
         sim_verdict=None,
+        caught_by_classes=("multi_step",),
+    ),
+    Mutant(
+        name="moe_steady_state_decided_locally",
+        description=(
+            "get_moe_metrics decides on its own whether its tracker changed since the last "
+            "metadata round, without the agreement all_reduce: the rank whose stage records a "
+            "new name enters the metadata round (all_gather_object) while its peers go "
+            "straight to the pipeline all_reduce. Scenario: pp=2, a forward-only first step "
+            "(nothing recorded), then a training step in which only the MoE stage records, "
+            "track_names=None. Strict profile: the API document prescribes the pre-initialising "
+            "call on layouts with a stage that records nothing, and with it every rank's "
+            "tracker changes in the same steps."
+        ),
+        edits=(("    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)\n", ""),),
+        fails=("moe.reset",),
+        functions=("get_moe_metrics",),
+        sim_verdict="deadlock",
+        profile="strict",
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -206,8 +206,7 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    if distributed:\n        tracker._sync_metrics(sorted(lengths))\n",
-                "    if distributed:\n"
+                "        _sync(tracker, sorted(lengths))\n",
                 "        from megatron.core.process_groups_config import ProcessGroupCollection\n"
                 "\n"
                 "        groups = ProcessGroupCollection(\n"
@@ -235,12 +234,11 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    if distributed:\n        tracker._sync_metrics(sorted(lengths))\n",
-                "    if distributed:\n"
+                "        _sync(tracker, sorted(lengths))\n",
                 "        if mtp_num_layers and not parallel_state.is_pipeline_last_stage():\n"
                 "            for name in lengths:  # the MTP layers live on the last stage\n"
                 "                tracker.metrics[name].values[-mtp_num_layers:] = 0\n"
-                "        tracker._sync_metrics(sorted(lengths))\n",
+                "        _sync(tracker, sorted(lengths))\n",
             ),
         ),
         fails=("moe.values",),
@@ -286,8 +284,8 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                '    _raise_if_any(errors, "get_moe_metrics")\n',
-                '    _raise_if_any(errors, "get_moe_metrics")\n'
+                "    assert scale is not None  # checked by _validate_args on every rank\n",
+                "    assert scale is not None  # checked by _validate_args on every rank\n"
                 "    if not local:  # this stage recorded nothing: nothing to report\n"
                 "        return {}\n",
             ),
@@ -342,8 +340,8 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "        tracker._sync_metrics(sorted(lengths))\n",
-                "        tracker._sync_metrics([name for name in tracker.metrics if name in lengths])\n",
+                "        _sync(tracker, sorted(lengths))\n",
+                "        _sync(tracker, [name for name in tracker.metrics if name in lengths])\n",
             ),
         ),
         fails=("moe.values",),

@@ -174,6 +174,9 @@ class FakeDist:
         self.ranks = list(range(world)) if ranks is None else ranks
         """The members of the group passed (global ranks); ``peers`` is keyed by group rank."""
         self.calls: list[str] = []
+        self.contributions: list[torch.Tensor] = []
+        """What the other ranks contribute to the next ``all_reduce`` (each used once, in
+        order; by default they contribute what this rank does)."""
         self.roots: list[int | str] = []
         """The global root of each broadcast entered."""
         self.group = SimpleNamespace(WORLD=None)
@@ -206,6 +209,13 @@ class FakeDist:
             if i != me and isinstance(obj, tuple) and isinstance(obj[0], int):
                 peer = (obj[0], peer)  # broadcast_tensor's (src_rank, description): same source
             out[i] = peer
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None) -> None:
+        self.calls.append("all_reduce")
+        if self.contributions:
+            theirs = self.contributions.pop(0)
+            assert op == dist.ReduceOp.MAX, op
+            tensor.copy_(torch.maximum(tensor, theirs))
 
     def broadcast(
         self,
@@ -580,6 +590,21 @@ def _names_from_the_second_step(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return first.get(AUX), second.get(AUX), fake.calls.count("all_gather_object")
 
 
+def _a_peer_changed_after_the_steady_state(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # The same names three times; in the third call another rank's tracker has changed.
+    fake = FakeDist(0, 2)
+    _fake_world(m, mp, fake)
+    for call in range(3):
+        _record(AUX, [2.0, 4.0])
+        if call == 2:
+            fake.contributions.append(torch.tensor([1] + [0] * 8))  # "changed", in its vector
+        try:
+            m.get_moe_metrics(1.0)
+        except RuntimeError as exc:
+            return str(exc)
+    return fake.calls.count("all_gather_object")
+
+
 def _moe_after_mtp(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # The MoE tracker holds this step's AUX when get_mtp_metrics runs first.
     _record(AUX, [2.0, 4.0])
@@ -645,10 +670,10 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
     ),
     "moe_raises_on_rank0": (
         _rank_zero_raises,
-        [(2.0, ["all_gather_object"])] * 2,
+        [(2.0, ["all_reduce", "all_gather_object"])] * 2,
         [
             "RuntimeError before []: get_moe_metrics: logging rank 0 failed",
-            (2.0, ["all_gather_object"]),
+            (2.0, ["all_reduce", "all_gather_object"]),
         ],
     ),
     "moe_mean_over_num_layers": (_mean_with_mtp, 4.0, 5.0),  # sum 20 over 5 slots, not 4
@@ -774,6 +799,11 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [None],
         ["expert_data"],
     ),
+    "moe_steady_state_decided_locally": (
+        _a_peer_changed_after_the_steady_state,
+        2,  # the first call and the third: every rank sees the change
+        1,  # this rank alone does not: its peers hang in the metadata round
+    ),
     "moe_plan_cached_after_first_call": (
         _names_from_the_second_step,
         (None, 3.0, 2),
@@ -816,6 +846,8 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
         frozenset({"moe_tracker_not_cleared", "moe_total_loss_overwritten"}),
         # Both refuse a 0-d tensor; only the exact type check also refuses a numpy float64.
         frozenset({"moe_loss_scale_tensor_rejected", "moe_loss_scale_exact_float_type"}),
+        # The rank-0 situation lists the collectives each rank enters, the agreement one too.
+        frozenset({"moe_raises_on_rank0", "moe_steady_state_decided_locally"}),
     }
 )
 

@@ -1,0 +1,142 @@
+"""What one ``get_moe_metrics`` call costs a rank: the reference against Megatron's ``report()``.
+
+Both run the same scenario, side by side, in the same pooled world: every step records the
+same names (two MoE layers per stage, two names), and each rank calls ``get_moe_metrics`` with
+the document's pre-initialising arguments. Megatron's side is the built-in target
+``megatron-core`` (``report()`` as ``training_log`` calls it). Per call and rank:
+
+* ``collectives`` and ``bytes`` from a gated run, which sees every collective: only those that
+  communicate (a group of one rank is local). ``bytes`` is what the call moves into the rank:
+  a tensor collective's tensor, and for ``all_gather_object`` every member's pickled object.
+  The first call and the steady state (every later call) are reported apart, as the maximum
+  over ranks (the stages differ).
+* ``ms``, the median wall time of a steady call in a raw run (real gloo, nothing gated).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pipemetrics.sim.calls import MoeCall
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.protocol import CallReport, CollectiveCall
+from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
+from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.topology import coordinates
+
+Side = Literal["reference", "megatron"]
+TARGETS: tuple[tuple[Side, str], ...] = (
+    ("reference", "pipemetrics.reference"),
+    ("megatron", "megatron-core"),
+)
+"""Side by side: pipemetrics' reference and megatron-core's own ``report()``."""
+TRACK_NAMES = ["load_balancing_loss", "z_loss"]
+OBJECT_GATHERS = frozenset({"all_gather_object", "gather_object"})
+
+
+class CallTraffic(BaseModel):
+    """One call's collectives on its busiest rank."""
+
+    model_config = ConfigDict(frozen=True)
+
+    collectives: int
+    bytes: int
+
+
+class CallCost(BaseModel):
+    """One target at one world size."""
+
+    model_config = ConfigDict(frozen=True)
+
+    target: Side
+    world_size: int
+    first: CallTraffic
+    steady: CallTraffic
+    steady_ms: float
+
+
+def cost_scenario(spec: WorldSpec, target: str, steps: int, deadline_s: float) -> Scenario:
+    layout = ModelLayout(num_layers=2 * spec.pp, z_loss_coeff=0.001)
+    setup = Setup(world=spec, layout=layout)
+    moe: dict[int, list[MoeRecord]] = {
+        rank: [
+            router_record(name, layer, 0.25 * layer, layout.num_layers)
+            for layer in setup.stage_layer_numbers(coordinates(spec, rank)["pp"])
+            for name in TRACK_NAMES
+        ]
+        for rank in range(spec.world_size)
+    }
+    call = MoeCall(loss_scale=0.5, num_layers=layout.num_layers, track_names=TRACK_NAMES)
+    return Scenario(
+        setup=setup,
+        target=target,
+        steps=[Step(records=StepRecords(moe=moe), calls=[call]) for _ in range(steps)],
+        deadline_s=deadline_s,
+    )
+
+
+def _reports(scenario: Scenario, pool: WorldPool, *, gate: bool) -> dict[int, list[CallReport]]:
+    run = pool.run(scenario, gate=gate)
+    if run.verdict.kind != "ok":
+        raise RuntimeError(
+            f"{scenario.target} on {scenario.setup.world.key}: {run.verdict.kind}: "
+            f"{run.verdict.message[:600]}"
+        )
+    reports: dict[int, list[CallReport]] = {}
+    for rank, result in run.ranks.items():
+        assert result.done is not None
+        for report in result.done.reports:
+            if report.error is not None:
+                raise RuntimeError(f"{scenario.target}: rank {rank}: {report.error.message}")
+        reports[rank] = result.done.reports
+    return reports
+
+
+def traffic(reports: dict[int, list[CallReport]], step: int) -> CallTraffic:
+    """The busiest rank's communicating collectives and bytes in ``step``'s call."""
+    calls: dict[int, dict[int, CollectiveCall]] = {
+        rank: {c.index: c for c in next(r for r in rank_reports if r.step == step).collectives}
+        for rank, rank_reports in reports.items()
+    }
+    counts, moved = [], []
+    for mine in calls.values():
+        live = [c for c in mine.values() if c.outcome != "local"]
+        counts.append(len(live))
+        total = 0
+        for call in live:
+            if call.op in OBJECT_GATHERS:  # every member's object arrives here
+                total += sum(calls[peer][call.index].payload_bytes for peer in call.group_ranks)
+            else:
+                total += call.payload_bytes
+        moved.append(total)
+    return CallTraffic(collectives=max(counts), bytes=max(moved))
+
+
+def measure_call_cost(
+    sizes: list[int], pool: WorldPool, *, timed_steps: int, deadline_s: float = 60.0
+) -> list[CallCost]:
+    """Both targets at each size of ``sizes`` (worlds pp=2 x dp=size/2)."""
+    costs = []
+    for size in sizes:
+        spec = WorldSpec(pp=2, dp=size // 2)
+        for label, target in TARGETS:
+            gated = _reports(cost_scenario(spec, target, 3, deadline_s), pool, gate=True)
+            raw = _reports(cost_scenario(spec, target, timed_steps, deadline_s), pool, gate=False)
+            seconds = [r.seconds for reports in raw.values() for r in reports if r.step > 0]
+            costs.append(
+                CallCost(
+                    target=label,
+                    world_size=size,
+                    first=traffic(gated, 0),
+                    steady=CallTraffic(
+                        collectives=max(traffic(gated, s).collectives for s in (1, 2)),
+                        bytes=max(traffic(gated, s).bytes for s in (1, 2)),
+                    ),
+                    steady_ms=1000.0 * statistics.median(seconds),
+                )
+            )
+    return costs
