@@ -217,11 +217,31 @@ def get_aux_loss_track_names(model_config: Any) -> list[str]:
 # --------------------------------------------------------------------------- broadcast
 
 
-def _comm_device(group: Any) -> torch.device:
-    """Device a collective on ``group`` needs: the current CUDA device for NCCL, else CPU."""
-    if dist.get_backend(group) == "nccl":
+def _backend_device_types(backend: str) -> list[str]:
+    """Device types a backend string communicates for: ``"cpu:gloo,cuda:nccl"`` -> ``["cpu",
+    "cuda"]`` (a default group created with one backend per device type), ``"nccl"`` ->
+    ``["cuda"]``, any other single backend (gloo) -> ``["cpu"]``."""
+    backend = str(backend).lower()
+    if ":" in backend:
+        return [part.split(":", 1)[0].strip() for part in backend.split(",") if ":" in part]
+    return ["cuda"] if backend == "nccl" else ["cpu"]
+
+
+def _comm_device_type(backend: str, wanted: str | None = None) -> str:
+    """The device type to communicate on: ``wanted`` (the type the data lives on) when the
+    backend serves it, else CUDA when it serves CUDA, else its first type. Every rank of a group
+    must pass the same ``wanted``: the data collectives then run on one backend everywhere."""
+    served = _backend_device_types(backend)
+    if wanted in served:
+        return wanted
+    return "cuda" if "cuda" in served else served[0]
+
+
+def _local_device(device_type: str) -> torch.device:
+    """This rank's device of ``device_type``: its current CUDA device for CUDA."""
+    if device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device(device_type)
 
 
 def _dtype_from_str(name: str) -> torch.dtype:
@@ -252,10 +272,12 @@ def broadcast_tensor(
     dtype or device) EVERY rank raises the same ``ValueError`` naming the offending global
     ranks. Otherwise all ranks enter one ``broadcast``.
 
-    The communication device follows ``dist.get_backend(group)``: ``"nccl"`` -> the current
-    CUDA device, anything else (gloo) -> CPU. A receiver buffer must live on that device.
-    The source may be on any device and non-contiguous (a contiguous, detached copy on the
-    communication device is sent). Works for 0-d, empty, bool, bfloat16 and integer tensors.
+    The communication device follows the source tensor's device type and the group's backend
+    for it: the source's type when the backend serves it (``"cpu:gloo,cuda:nccl"``: CPU
+    tensors over gloo, CUDA tensors over NCCL), else CUDA for ``"nccl"``, CPU for gloo. A
+    receiver buffer must live on that device type (a CUDA buffer on its rank's current
+    device). The source may be on any device and non-contiguous (a contiguous, detached copy
+    on the communication device is sent). Works for 0-d, empty, bool, bfloat16 and integer tensors.
 
     Returns: on the source, ``tensor`` itself; on a receiver, the given buffer filled in place,
     or a new tensor on the communication device when ``None`` was passed.
@@ -264,20 +286,19 @@ def broadcast_tensor(
     ranks = dist.get_process_group_ranks(group)
     if me not in ranks:
         raise ValueError(f"rank {me} called broadcast_tensor for a group {ranks} it is not in")
-    device = _comm_device(group)
-
     desc: tuple[Any, ...]
     if src_rank not in ranks:
         desc = ("src_outside", f"src_rank {src_rank} (global) is not a member of the group {ranks}")
     elif me == src_rank:
         if isinstance(tensor, torch.Tensor):
-            desc = ("src", tuple(tensor.shape), str(tensor.dtype))
+            desc = ("src", tuple(tensor.shape), str(tensor.dtype), tensor.device.type)
         else:
             desc = ("src_error", f"source rank {me} passed {type(tensor).__name__}, not a Tensor")
     elif tensor is None:
         desc = ("recv_none",)
     elif isinstance(tensor, torch.Tensor):
-        desc = ("recv", tuple(tensor.shape), str(tensor.dtype), str(tensor.device))
+        current = tensor.device.type != "cuda" or tensor.device == _local_device("cuda")
+        desc = ("recv", tuple(tensor.shape), str(tensor.dtype), str(tensor.device), current)
     else:
         desc = ("recv_error", f"rank {me} passed {type(tensor).__name__} as buffer")
 
@@ -293,6 +314,7 @@ def broadcast_tensor(
     if src_desc[0] == "src_error":
         raise ValueError(f"broadcast_tensor: {src_desc[1]}")
     shape, dtype_name = src_desc[1], src_desc[2]
+    device_type = _comm_device_type(dist.get_backend(group), src_desc[3])
     problems: list[str] = []
     for rank, d in zip(ranks, gathered, strict=True):
         if d[0] == "recv_error":
@@ -303,11 +325,14 @@ def broadcast_tensor(
                 wrong.append(f"shape {list(d[1])} (source {list(shape)})")
             if d[2] != dtype_name:
                 wrong.append(f"dtype {d[2]} (source {dtype_name})")
-            if torch.device(d[3]) != device:
-                wrong.append(f"device {d[3]} (backend needs {device})")
+            if torch.device(d[3]).type != device_type:
+                wrong.append(f"device {d[3]} (this broadcast communicates on {device_type})")
+            elif not d[4]:
+                wrong.append(f"device {d[3]} (not the rank's current CUDA device)")
             if wrong:
                 problems.append(f"rank {rank} buffer has " + ", ".join(wrong))
     _raise_if_any(problems, "broadcast_tensor")
+    device = _local_device(device_type)
 
     if me == src_rank:
         assert tensor is not None
@@ -335,6 +360,7 @@ class _EntryMeta(NamedTuple):
     reduce: _GroupDesc
     avg: _GroupDesc
     needs_dp_avg: bool
+    device: str = "cpu"  # the type of the device its values live on ("cpu", "cuda")
 
 
 def _known_groups() -> list[tuple[str, Any]]:
@@ -458,10 +484,11 @@ def _ranks_by(items: Iterable[tuple[int, Any]]) -> str:
 
 
 def _plan(
-    payloads: list[dict[str, Any]], distributed: bool
+    payloads: list[dict[str, Any]], distributed: bool, device_type: str = "cpu"
 ) -> tuple[dict[str, int], dict[str, _EntryMeta], list[str]]:
     """From every rank's metadata derive (agreed lengths, settings for ranks lacking a name,
-    errors). Pure and deterministic, so every rank reaches the same verdict."""
+    errors). Pure and deterministic, so every rank reaches the same verdict. ``device_type``:
+    where a name nobody recorded is created (the world's communication device type)."""
     errors = [f"rank {r}: {p['error']}" for r, p in enumerate(payloads) if p["error"]]
     if errors:
         return {}, {}, errors
@@ -486,13 +513,15 @@ def _plan(
     settings: dict[str, _EntryMeta] = {}
     for name in sorted(lengths):
         holders = [(r, p["entries"][name]) for r, p in enumerate(payloads) if name in p["entries"]]
-        sigs = {(m.dtype, _sig(m.reduce), _sig(m.avg), m.needs_dp_avg) for _, m in holders}
+        sigs = {
+            (m.dtype, _sig(m.reduce), _sig(m.avg), m.needs_dp_avg, m.device) for _, m in holders
+        }
         if len(sigs) > 1:
             detail = _ranks_by(
                 (
                     r,
                     f"dtype={m.dtype} reduce={_fmt_group(m.reduce)} avg={_fmt_group(m.avg)} "
-                    f"needs_dp_avg={m.needs_dp_avg}",
+                    f"needs_dp_avg={m.needs_dp_avg} device={m.device}",
                 )
                 for r, m in holders
             )
@@ -508,6 +537,7 @@ def _plan(
                 ("kind", red) if red else None,
                 ("kind", avg) if avg else None,
                 dp,
+                device_type,
             )
         settings[name] = meta
         missing = [r for r, p in enumerate(payloads) if name not in p["entries"]]
@@ -558,7 +588,7 @@ def _halves(data: bytes) -> list[int]:
 
 
 def _agreed_unchanged(
-    tracker: Any, payload: dict[str, Any], scale: float | None, device: str
+    tracker: Any, payload: dict[str, Any], scale: float | None, device: torch.device
 ) -> _SteadyState | None:
     """The agreement round: ONE ``all_reduce(MAX)`` of 9 int64 over the world, entered by every
     rank on every call. Returns the kept state when every rank's payload is unchanged since
@@ -625,6 +655,7 @@ def _describe_entries(tracker: Any, known: list[tuple[str, Any]]) -> dict[str, t
             _describe_group(entry.reduce_group, known),
             _describe_group(entry.avg_group, known),
             bool(getattr(entry, "needs_dp_avg", True)),
+            entry.values.device.type,
         )
         for name, entry in tracker.metrics.items()
         if not _is_placeholder(entry)
@@ -668,10 +699,13 @@ def get_moe_metrics(
        name whose agreed length is 0 (only in ``track_names``, recorded nowhere, no
        ``num_layers``) is dropped. If any rank's arguments are invalid, ranks pass different
        arguments (``"num_layers differs between ranks (ranks [0]: 4; ranks [1]: 5)"``), ranks
-       disagree on a name's dtype/groups/``needs_dp_avg``, or a rank lacking a name cannot find the
-       matching group locally, EVERY rank raises the same ``ValueError`` naming the ranks.
+       disagree on a name's dtype/groups/``needs_dp_avg``/device type, or a rank lacking a name
+       cannot find the matching group locally, EVERY rank raises the same ``ValueError`` naming
+       the ranks.
     3. Every rank ensures an entry for each live name (``tracker.ensure_initialized`` on the
-       backend's device: current CUDA device for NCCL, else CPU), zero-pads shorter entries
+       device type of the ranks that recorded it, on this rank's device of that type; for a name
+       nobody recorded, the world's communication device: CUDA when the default group's backend
+       serves it, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``, else CPU), zero-pads shorter entries
        to the agreed length, and gives a locally missing name the canonical settings of the
        ranks that recorded it (or, if none did, the router's: aux/seq -> SUM over
        tensor+context, DP avg; global -> SUM over tensor+data+context, no DP avg; z_loss ->
@@ -724,9 +758,8 @@ def get_moe_metrics(
         },
     }
     scale = _loss_scale_value(loss_scale)
-    device = "cpu"
-    if distributed and dist.get_backend() == "nccl":
-        device = f"cuda:{torch.cuda.current_device()}"
+    device_type = _comm_device_type(dist.get_backend()) if distributed else "cpu"
+    device = _local_device(device_type)
     kept = _agreed_unchanged(tracker, payload, scale, device) if distributed else None
     if kept is not None:  # steady state: the last round's decision stands on every rank
         lengths, settings, digest = kept.lengths, kept.settings, kept.digest
@@ -735,7 +768,7 @@ def get_moe_metrics(
         if distributed:
             payloads = [None] * dist.get_world_size()
             dist.all_gather_object(payloads, payload)
-        lengths, settings, errors = _plan(payloads, distributed)
+        lengths, settings, errors = _plan(payloads, distributed, device_type)
         if errors and hasattr(tracker, _STEADY_ATTR):
             delattr(tracker, _STEADY_ATTR)
         _raise_if_any(errors, "get_moe_metrics")
@@ -747,7 +780,8 @@ def get_moe_metrics(
         if name not in local:
             meta = settings[name]
             tracker.metrics.pop(name, None)  # drop a placeholder; re-created below
-            tracker.ensure_initialized(name, lengths[name], device=device)
+            on = _local_device(meta.device)  # where the ranks that recorded it keep it
+            tracker.ensure_initialized(name, lengths[name], device=on)
             entry = tracker.metrics[name]
             entry.values = entry.values.to(_dtype_from_str(meta.dtype))
             entry.reduce_group = groups[meta.reduce[1]] if distributed and meta.reduce else None

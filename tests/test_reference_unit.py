@@ -588,3 +588,26 @@ def test_mtp_metrics_through_the_installed_helper() -> None:
 def test_broadcast_tensor_documents_global_src_rank() -> None:
     doc = broadcast_tensor.__doc__ or ""
     assert "GLOBAL" in doc or "global" in doc
+
+
+@pytest.mark.parametrize(
+    ("backend", "source", "expected"),
+    [
+        ("gloo", "cpu", "cpu"),
+        ("gloo", "cuda", "cpu"),  # gloo: a CUDA source is sent from a CPU copy
+        ("nccl", "cuda", "cuda"),
+        ("nccl", "cpu", "cuda"),  # nccl: a CPU source is sent from a CUDA copy
+        ("cpu:gloo,cuda:nccl", "cpu", "cpu"),  # the source's type, where the backend serves it
+        ("cpu:gloo,cuda:nccl", "cuda", "cuda"),
+        ("cpu:gloo,cuda:nccl", "meta", "cuda"),
+        ("cpu:gloo,cuda:nccl", None, "cuda"),  # no tensor decides: the accelerator
+        ("cuda:nccl,cpu:gloo", "cpu", "cpu"),
+        ("cpu:gloo", None, "cpu"),
+    ],
+)
+def test_the_communication_device_follows_the_data_and_the_groups_backend_for_it(
+    backend: str, source: str | None, expected: str
+) -> None:
+    """A default group created with ``"cpu:gloo,cuda:nccl"`` serves both device types: data
+    on the CPU goes over gloo, CUDA data over NCCL; one backend string no longer decides."""
+    assert mc._comm_device_type(backend, source) == expected

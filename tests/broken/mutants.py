@@ -309,8 +309,8 @@ _MUTANTS: list[Mutant] = [
                 "num_layers if num_layers is not None and names else 0",
             ),
             (
-                "tracker.ensure_initialized(name, lengths[name], device=device)",
-                "tracker.ensure_initialized(name, num_layers or lengths[name], device=device)",
+                "tracker.ensure_initialized(name, lengths[name], device=on)",
+                "tracker.ensure_initialized(name, num_layers or lengths[name], device=on)",
             ),
             (
                 "        entry = tracker.metrics[name]\n"

@@ -402,9 +402,9 @@ def _broadcast_bad_peer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # Rank 1 is a receiver with a good buffer; rank 2 passed a wrong-shaped buffer.
     seen = {}
     descs = {
-        0: ("src", (4,), "torch.float32"),
-        1: ("recv", (4,), "torch.float32", "cpu"),
-        2: ("recv", (5,), "torch.float32", "cpu"),
+        0: ("src", (4,), "torch.float32", "cpu"),
+        1: ("recv", (4,), "torch.float32", "cpu", True),
+        2: ("recv", (5,), "torch.float32", "cpu", True),
     }
     for me, buffer in ((1, torch.zeros(4)), (2, torch.zeros(5))):
         fake = FakeDist(me, 3, descs)
@@ -440,7 +440,7 @@ def _round_up(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 def _broadcast_receive_none(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # Rank 1 of 2 receives an int64[3] from rank 0, passing no buffer.
-    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.int64")})
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.int64", "cpu")})
     mp.setattr(m, "dist", fake)
     out = m.broadcast_tensor(None, 0, object())
     return str(out.dtype), list(out.shape), fake.calls
@@ -448,7 +448,7 @@ def _broadcast_receive_none(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 def _broadcast_into_buffer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # Rank 1 of 2 receives a float32[3] from rank 0 into its own valid buffer.
-    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32")})
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32", "cpu")})
     mp.setattr(m, "dist", fake)
     buffer = torch.zeros(3)
     out = m.broadcast_tensor(buffer, 0, object())
@@ -457,7 +457,7 @@ def _broadcast_into_buffer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 def _broadcast_wrong_dtype(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # Rank 1 of 2 passes an int64 buffer of the right shape for a float32[3] source.
-    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32")})
+    fake = FakeDist(1, 2, {0: ("src", (3,), "torch.float32", "cpu")})
     mp.setattr(m, "dist", fake)
     try:
         m.broadcast_tensor(torch.zeros(3, dtype=torch.int64), 0, object())
@@ -474,7 +474,7 @@ def _broadcast_subgroup_roots(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     mp.setattr(m, "dist", fake)
     m.broadcast_tensor(torch.zeros(3), 3, object())
     roots += fake.roots
-    fake = FakeDist(1, 4, {1: ("src", (3,), "torch.float32")}, ranks=[1, 2, 3])
+    fake = FakeDist(1, 4, {1: ("src", (3,), "torch.float32", "cpu")}, ranks=[1, 2, 3])
     mp.setattr(m, "dist", fake)
     m.broadcast_tensor(None, 2, object())
     return roots + fake.roots
