@@ -101,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         problems = judge_run(scenario, run)
         print(judgement_text(scenario, problems))
         passed = not problems
+    # Every rank tears the group down together, once rank 0 has judged: a rank that destroyed
+    # it (and exited) while rank 0 was still judging was once seen to abort in gloo's teardown
+    # ("terminate called without an active exception"), failing a passing run.
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if passed else 1
 
