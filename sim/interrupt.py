@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 HANDLED: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
@@ -67,6 +67,11 @@ class SignalGuard:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             return  # cleanup of the first signal is under way: let it finish
+        if _runs(frame, _UNRAISABLE_CODE):
+            # A redelivered signal landing inside the hook itself: raised here it would be
+            # dropped too ("Exception ignored in sys.unraisablehook"). Once more, shortly.
+            _redeliver(signum)
+            return
         self.received = signum
         self.raised_at = "".join(traceback.format_stack(frame))
         raise Interrupted(signum)
@@ -76,7 +81,7 @@ class SignalGuard:
         callback run by the garbage collector): deliver the signal again once that returned."""
         if isinstance(unraisable.exc_value, Interrupted) and self.received is not None:
             signum, self.received = self.received, None
-            threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,)).start()
+            _redeliver(signum)
             return
         self._previous_unraisablehook(unraisable)
 
@@ -100,6 +105,23 @@ class SignalGuard:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         sys.unraisablehook = self._previous_unraisablehook
+
+
+_UNRAISABLE_CODE = SignalGuard._unraisable.__code__
+
+
+def _redeliver(signum: int) -> None:
+    """Deliver ``signum`` to the main thread's handler again in `REDELIVER_S`."""
+    threading.Timer(REDELIVER_S, _thread.interrupt_main, args=(signum,)).start()
+
+
+def _runs(frame: FrameType | None, code: CodeType) -> bool:
+    """Whether ``frame`` or one of its callers runs ``code``."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def signal_name(signum: int) -> str:

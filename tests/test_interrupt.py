@@ -5,6 +5,7 @@ The end-to-end behaviour (a signal at each phase of a real command) is in test_f
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from pipemetrics.sim import interrupt
 from pipemetrics.sim.interrupt import Interrupted, SignalGuard, stop_child
 from pipemetrics.sim.probe import probe_target, require_api
 from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError
@@ -92,6 +94,32 @@ def test_a_signal_inside_a_finalizer_still_interrupts(
             time.sleep(5)  # ... and the guard delivers it again right after
         assert caught.value.signum == how
     assert guard.received == how
+
+
+def test_a_signal_redelivered_into_the_hook_itself_still_interrupts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under load the redelivery can land while the hook that scheduled it still runs, where a
+    raise is dropped as well (seen once in CI): here the first redelivery lands there at once."""
+    deliveries: list[int] = []
+    later = interrupt._redeliver
+
+    def redeliver(signum: int) -> None:
+        deliveries.append(signum)
+        if len(deliveries) == 1:
+            _thread.interrupt_main(signum)  # handled before the hook returns
+        else:
+            later(signum)
+
+    monkeypatch.setattr(interrupt, "_redeliver", redeliver)
+    with SignalGuard() as guard:
+        with pytest.raises(Interrupted) as caught:
+            thing = collected_with_weakref_callback(signal.SIGTERM)
+            del thing
+            time.sleep(5)
+        assert caught.value.signum == signal.SIGTERM
+    assert guard.received == signal.SIGTERM
+    assert len(deliveries) == 2  # the hook's, then the handler's once it saw it ran in the hook
 
 
 def test_an_inherited_ignored_sigint_is_handled_anyway() -> None:
