@@ -10,9 +10,13 @@ Everything is measured in one run on the same machine, each against its baseline
    many deadlocking scenarios, against raw mode (real backend, ``gate=False``) whose only way
    to see the hang is the scenario deadline;
 3. world start time: spawned ranks (cold) against ranks forked from the preloaded fork server;
-4. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile.
+4. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile;
+5. hang and mismatch detection (`pipemetrics.sim.hang_detection`): which mismatch kinds
+   pipemetrics and PyTorch's own tools (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, a short gloo
+   timeout, ``monitored_barrier``) detect on the same 2-rank scenarios, and after how long.
 
-``--quick`` (for CI) shrinks every count and skips step 4, to prove the bench works. Numbers are
+``--quick`` (for CI) shrinks every count, skips step 4 and runs step 5 on three kinds with
+pipemetrics and DETAIL only, to prove the bench works. Numbers are
 reported, never asserted. Every world is closed and every temporary directory removed.
 """
 
@@ -38,6 +42,16 @@ from typing import Any
 
 from pipemetrics.sim.call_cost import CallCost, measure_call_cost
 from pipemetrics.sim.calls import MoeCall
+from pipemetrics.sim.hang_detection import (
+    KINDS,
+    TORCH_TOOLS,
+    HangDetection,
+    MismatchKind,
+    Tool,
+    markdown_table,
+    measure_hang_detection,
+    report_section,
+)
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
@@ -94,6 +108,16 @@ class Plan:
     check_timeout_s: float
     cost_steps: int
     """Steps of each raw run that times a steady ``get_moe_metrics`` call."""
+    hang_kinds: tuple[MismatchKind, ...]
+    hang_tools: tuple[Tool, ...]
+    hang_samples: int
+    """pipemetrics runs per mismatch kind (the PyTorch tools run each kind once)."""
+
+
+HANG_SHORT_TIMEOUT_S = 2.0
+"""The short process-group (and monitored_barrier) timeout the PyTorch tools run with."""
+HANG_BOUND_S = 4 * HANG_SHORT_TIMEOUT_S
+"""A PyTorch case still running this long after its collectives started is killed."""
 
 
 def make_plan(quick: bool, check_timeout_s: float) -> Plan:
@@ -111,6 +135,9 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
             run_check=False,
             check_timeout_s=check_timeout_s,
             cost_steps=4,
+            hang_kinds=("shape", "reduce_op", "skipped"),
+            hang_tools=("pipemetrics", "detail_short"),
+            hang_samples=1,
         )
     return Plan(
         quick=False,
@@ -125,6 +152,9 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         run_check=True,
         check_timeout_s=check_timeout_s,
         cost_steps=30,
+        hang_kinds=tuple(KINDS),
+        hang_tools=("pipemetrics", *TORCH_TOOLS),
+        hang_samples=5,
     )
 
 
@@ -269,6 +299,7 @@ class Results:
     raw_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
     call_cost: list[CallCost] = field(default_factory=list)
+    hang: HangDetection | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -387,6 +418,28 @@ def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
         )
 
 
+def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    began = time.perf_counter()
+    with WorldPool(max_ranks=2) as pool:
+        try:
+            results.hang = measure_hang_detection(
+                list(plan.hang_kinds),
+                list(plan.hang_tools),
+                pool=pool,
+                short_s=HANG_SHORT_TIMEOUT_S,
+                bound_s=HANG_BOUND_S,
+                pipemetrics_samples=plan.hang_samples,
+                on_world=leftovers.note,
+                pids=leftovers.pids,
+            )
+        except RuntimeError as exc:
+            raise BenchError(f"hang detection: {exc}") from exc
+    _err(
+        f"hang detection: {len(plan.hang_kinds)} kinds x {len(plan.hang_tools)} tools in "
+        f"{time.perf_counter() - began:.1f} s"
+    )
+
+
 def measure_check(plan: Plan, results: Results) -> bool:
     """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
     with tempfile.TemporaryDirectory(prefix="pipemetrics-bench-check-") as directory:
@@ -484,6 +537,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         "world_start_s": {"cold": _num(cold), "preloaded": _num(preloaded)},
         "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
         "call_cost": _call_cost(results.call_cost),
+        "hang_detection": None if results.hang is None else report_section(results.hang),
         "quick": plan.quick,
         "machine": machine_info(),
         "details": {
@@ -534,6 +588,12 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             f"raw run of {plan.cost_steps} steps",
             "world_start_s: cold is a spawned 4-rank world, preloaded a 4-rank world forked "
             "from the warm fork server (World.startup_s, median)",
+            "hang_detection: per mismatch kind and tool; pipemetrics seconds are the end-to-end "
+            "wall time of pool.run in a live gated world (median of the samples), reaction_ms "
+            "Verdict.latency_ms; PyTorch seconds run from the later rank's start of the "
+            "mismatching collectives to the first error any rank raised, each case in two fresh "
+            "python processes; short_timeout_s is our setting, default_timeout_s torch's "
+            "default_pg_timeout (stated, never waited for)",
             *results.notes,
         ],
     }
@@ -649,6 +709,7 @@ def run_bench(args: argparse.Namespace) -> int:
         measure_spawn(plan, results, leftovers)
         measure_deadlock(plan, results, leftovers)
         measure_cost(plan, results, leftovers)
+        measure_hang(plan, results, leftovers)
         check_ok = measure_check(plan, results) if plan.run_check else True
         data = report(plan, results, leftovers)
     except BenchError as exc:
@@ -660,6 +721,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "end": round(os.getloadavg()[0], 2),
     }
     print(table(data))
+    if data["hang_detection"] is not None:
+        print()
+        print(markdown_table(data["hang_detection"]))
     for note in results.notes:
         print(f"note: {note}")
     if args.json_out:

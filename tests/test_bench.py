@@ -16,9 +16,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .conftest import Bounds, pid_alive
+from pipemetrics.sim.hang_detection import measure_pipemetrics
+
+from .conftest import Bounds, TrackingPool, pid_alive
 
 QUICK_SIZES = {"2", "4"}
+REPORTED_AS = {"mismatch", "deadlock", "timeout", "other error", "crash", "nothing"}
 
 
 def positive(value: Any) -> bool:
@@ -91,6 +94,33 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
             extra["ms_ratio"], ours["steady_ms"] / theirs["steady_ms"], rel_tol=1e-2
         )
 
+    hang = data["hang_detection"]
+    assert {
+        "short_timeout_s", "default_timeout_s", "bound_s", "pipemetrics_samples", "tools",
+        "kind_descriptions", "kinds",
+    } <= set(hang)  # fmt: skip
+    assert all(positive(hang[k]) for k in ("short_timeout_s", "default_timeout_s", "bound_s"))
+    assert {"pipemetrics", "detail_short"} <= set(hang["tools"])
+    assert hang["kinds"] and set(hang["kinds"]) == set(hang["kind_descriptions"])
+    for kind, per_tool in hang["kinds"].items():
+        assert set(per_tool) == set(hang["tools"]), kind
+        for tool, entry in per_tool.items():
+            assert isinstance(entry["detected"], bool), (kind, tool)
+            assert entry["reported_as"] in REPORTED_AS, (kind, tool, entry)
+            assert isinstance(entry["said"], str), (kind, tool)
+            seconds = entry["seconds"]
+            if entry["detected"]:
+                assert isinstance(seconds, int | float) and math.isfinite(seconds) and seconds >= 0
+            else:
+                assert seconds is None, (kind, tool, entry)
+            if tool == "pipemetrics":
+                reaction = entry["reaction_ms"]
+                assert reaction is None or (isinstance(reaction, int | float) and reaction >= 0)
+            else:
+                assert [r["rank"] for r in entry["ranks"]] == [0, 1], (kind, tool)
+                assert all(isinstance(r["outcome"], str) for r in entry["ranks"])
+    assert "| mismatch |" in done.stdout
+
     machine = data["machine"]
     assert positive(machine["cores"])
     assert all(isinstance(machine[k], str) for k in ("python", "torch", "megatron-core"))
@@ -103,3 +133,11 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert left["surviving_pids"] == [] and left["surviving_dirs"] == []
     assert not [pid for pid in left["pids"] if pid_alive(pid)]
     assert not [d for d in left["dirs"] if os.path.exists(d)]
+
+
+def test_a_shape_mismatch_is_a_mismatch_verdict(pool: TrackingPool) -> None:
+    (result,) = measure_pipemetrics(["shape"], pool, samples=1)
+    assert result.kind == "shape" and result.tool == "pipemetrics"
+    assert result.detected and result.reported_as == "mismatch", result
+    assert "tensor" in result.said, result.said
+    assert result.seconds is not None and result.reaction_ms is not None
