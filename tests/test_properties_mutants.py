@@ -32,17 +32,25 @@ _NO_COUNTS = pytest.mark.skipif(
 
 #: Examples per property for each mutant: as few as still find the bug with ``--seed 0`` (a
 #: found bug ends the search, so this only bounds the run of a mutant that is not caught).
+#: A fixed seed does not fix the examples across versions of this repository: Hypothesis also
+#: draws (5% of choices) from the constants of the local modules imported, so adding a module or
+#: a literal reorders the draws, and the budget max_examples itself shapes them. A budget must
+#: leave room: three mutants passed their 80 (or 300) examples once a bench module was added.
 MAX_EXAMPLES = 80
-#: Mutants whose bug needs a layout the dev profile draws rarely.
+#: Mutants whose bug needs a layout or a step sequence the dev profile draws rarely.
 MORE_EXAMPLES: dict[str, int] = {
     # pp=2 x dp=2 with a dense stage and a live load_balancing/seq name whose values differ
     # between the data-parallel ranks: about 2% of the dev profile's examples (first found at
     # example 53 with --seed 0; a fresh draw misses it in 300 examples with about 0.2%).
     "moe_placeholder_skips_dp_avg": 300,
     # a flexible or virtual layout with the MoE MTP layer standalone and a live name: about 3%
-    # of the dev profile's moe.values examples, fewer among the first (small) ones; found
-    # before example 200 with --seed 0.
-    "moe_mtp_slots_only_on_last_stage": 300,
+    # of the dev profile's moe.values examples, fewer among the first (small) ones; found at
+    # example 129 of 800 with --seed 0 (and not within 300 since the bench's hang module).
+    "moe_mtp_slots_only_on_last_stage": 800,
+    # two steps into one total_loss_dict; a first step that records nothing and a later one
+    # that does, with track_names None: found at examples 68-112 of 400, missed within 80 once.
+    "moe_plan_cached_after_first_call": 400,
+    "moe_total_loss_overwritten": 400,
 }
 
 
