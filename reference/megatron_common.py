@@ -793,8 +793,10 @@ def get_moe_metrics(
             entry.values = torch.cat([entry.values, entry.values.new_zeros(short)])
     if distributed:
         # What the next call will find if the tracker's layout does not change (taken before
-        # the reduction: an entry created here is still all zero, as it will be then).
-        after = {**payload, "entries": _describe_entries(tracker, known)}
+        # the reduction: an entry created here is still all zero, as it will be then). In the
+        # steady state nothing was created or padded: the description is the one taken above.
+        as_found = all(n in local and local[n][0] == k for n, k in lengths.items())
+        after = {**payload, "entries": local if as_found else _describe_entries(tracker, known)}
         steady = _SteadyState(dist.group.WORLD, _steady_key(after), digest, lengths, settings)
         setattr(tracker, _STEADY_ATTR, steady)
         _sync(tracker, sorted(lengths))
