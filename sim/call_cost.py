@@ -127,14 +127,15 @@ def measure_call_cost(
             gated = _reports(cost_scenario(spec, target, 3, deadline_s), pool, gate=True)
             raw = _reports(cost_scenario(spec, target, timed_steps, deadline_s), pool, gate=False)
             seconds = [r.seconds for reports in raw.values() for r in reports if r.step > 0]
+            steady = [traffic(gated, step) for step in (1, 2)]
             costs.append(
                 CallCost(
                     target=label,
                     world_size=size,
                     first=traffic(gated, 0),
                     steady=CallTraffic(
-                        collectives=max(traffic(gated, s).collectives for s in (1, 2)),
-                        bytes=max(traffic(gated, s).bytes for s in (1, 2)),
+                        collectives=max(t.collectives for t in steady),
+                        bytes=max(t.bytes for t in steady),
                     ),
                     steady_ms=1000.0 * statistics.median(seconds),
                 )

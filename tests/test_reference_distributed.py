@@ -14,7 +14,7 @@ from pipemetrics.sim.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import MtpRecord, StepRecords
 from pipemetrics.sim.records import router_record as moe
-from pipemetrics.sim.scenario import CallSpec, Scenario, Step
+from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
@@ -29,11 +29,13 @@ def run(
     world: WorldSpec,
     layout: ModelLayout,
     steps: list[tuple[StepRecords, list[CallSpec]]],
+    target: str = DEFAULT_TARGET,
 ) -> WorldRun:
     scenario = Scenario(
         setup=Setup(world=world, layout=layout),
         steps=[Step(records=records, calls=calls) for records, calls in steps],
         deadline_s=DEADLINE_S,
+        target=target,
     )
     result = pool.run(scenario)
     assert result.verdict.kind == "ok", result.verdict.message
@@ -309,15 +311,7 @@ def test_steady_state_adds_one_fixed_size_collective_to_megatrons_report(
     steps = [(records, [call])] * 3
     world = WorldSpec(pp=2, dp=2)
     ours = run(pool, world, layout, steps)
-    megatron = pool.run(
-        Scenario(
-            setup=Setup(world=world, layout=layout),
-            steps=[Step(records=r, calls=c) for r, c in steps],
-            deadline_s=DEADLINE_S,
-            target="megatron-core",
-        )
-    )
-    assert megatron.verdict.kind == "ok", megatron.verdict.message
+    megatron = run(pool, world, layout, steps, target="megatron-core")
     first = collectives(ours, 0)
     for rank, calls in first.items():
         assert calls[0] == AGREEMENT, calls[0]
@@ -359,14 +353,8 @@ def test_arguments_that_differ_after_the_steady_state_raise_everywhere(pool: Tra
     records = StepRecords(moe={r: [moe(AUX, 1 + r // 2 * 2, 1.0, 4)] for r in range(4)})
     same = MoeCall(loss_scale=0.5, num_layers=4, track_names=[AUX])
     differ = same.model_copy(update={"overrides": {3: {"loss_scale": 0.25}}})
-    result = pool.run(
-        Scenario(
-            setup=Setup(world=WorldSpec(pp=2, dp=2), layout=layout),
-            steps=[Step(records=records, calls=[c]) for c in (same, same, differ)],
-            deadline_s=DEADLINE_S,
-        )
-    )
-    assert result.verdict.kind == "ok", result.verdict.message
+    steps = [(records, [call]) for call in (same, same, differ)]
+    result = run(pool, WorldSpec(pp=2, dp=2), layout, steps)
     seen = {}
     for rank, rank_result in result.ranks.items():
         assert rank_result.done is not None
@@ -437,14 +425,7 @@ def test_without_the_private_sync_method_the_reduction_is_the_same(
     steps = [(records, [call])] * 2
     world = WorldSpec(pp=2, dp=2)
     ours = run(pool, world, layout, steps)
-    scenario = Scenario(
-        setup=Setup(world=world, layout=layout),
-        steps=[Step(records=r, calls=c) for r, c in steps],
-        deadline_s=DEADLINE_S,
-        target=str(target),
-    )
-    fallback = pool.run(scenario)
-    assert fallback.verdict.kind == "ok", fallback.verdict.message
+    fallback = run(pool, world, layout, steps, target=str(target))
     for step in (0, 1):
         assert values(fallback, step=step) == values(ours, step=step)
         assert collectives(fallback, step) == collectives(ours, step)
