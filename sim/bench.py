@@ -54,7 +54,7 @@ from pipemetrics.sim.hang_detection import (
 )
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.pool import LiveWorld, WorldPool
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import coordinates
@@ -165,7 +165,7 @@ class Leftovers:
     pids: list[int] = field(default_factory=list)
     directories: list[str] = field(default_factory=list)
 
-    def note(self, world: World) -> World:
+    def note(self, world: LiveWorld) -> LiveWorld:
         if world.directory not in self.directories:
             self.directories.append(world.directory)
             self.pids += world.pids

@@ -41,9 +41,8 @@ from pydantic import BaseModel, ConfigDict
 
 from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.pool import LiveWorld, WorldPool
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.world import World
 
 MismatchKind = Literal["op", "shape", "dtype", "reduce_op", "root", "group", "skipped"]
 Tool = Literal["pipemetrics", "detail_short", "detail_default", "plain_short", "monitored_barrier"]
@@ -287,7 +286,7 @@ def measure_pipemetrics(
     *,
     samples: int,
     deadline_s: float = 30.0,
-    on_world: Callable[[World], object] | None = None,
+    on_world: Callable[[LiveWorld], object] | None = None,
 ) -> list[Detection]:
     """Each kind ``samples`` times in a gated pooled world; the run of median wall time is
     reported (its verdict and end-to-end time), with the median reaction time of all runs."""
@@ -479,7 +478,7 @@ def measure_hang_detection(
     short_s: float,
     bound_s: float,
     pipemetrics_samples: int,
-    on_world: Callable[[World], object] | None = None,
+    on_world: Callable[[LiveWorld], object] | None = None,
     pids: list[int] | None = None,
 ) -> HangDetection:
     """Every kind under every tool (pipemetrics in ``pool``, PyTorch in plain processes)."""

@@ -11,11 +11,12 @@ the real backend can hang on it. Nested collectives (``broadcast_object_list`` i
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import pickle
+import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -114,15 +115,18 @@ def payload_bytes(op: str, arguments: dict[str, Any]) -> int:
 
 
 def call_site(limit: int = 4) -> tuple[str, ...]:
-    """Innermost-first frames of the caller, skipping torch.distributed and the simulator."""
+    """Innermost-first frames of the caller, skipping torch.distributed and the simulator.
+
+    Walks the frames directly: no source lines are read (``traceback.extract_stack`` would stat
+    every file on the stack, on every collective)."""
     frames: list[str] = []
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        path = frame.filename.replace("\\", "/")
-        if any(skip in path for skip in _SKIP_FRAMES):
-            continue
-        frames.append(f"{path}:{frame.lineno} in {frame.name}")
-        if len(frames) == limit:
-            break
+    frame = sys._getframe(1)
+    while frame is not None and len(frames) < limit:
+        code = frame.f_code
+        path = code.co_filename.replace("\\", "/")
+        if not any(skip in path for skip in _SKIP_FRAMES):
+            frames.append(f"{path}:{frame.f_lineno} in {code.co_name}")
+        frame = frame.f_back  # type: ignore[assignment]
     return tuple(frames)
 
 
@@ -147,16 +151,32 @@ def invalid_root(arguments: dict[str, Any], ranks: tuple[int, ...]) -> str | Non
     return None
 
 
+Exchange = Callable[[CollectiveCall, dict[str, Any]], Callable[[], Any]]
+"""The in-process tier's gate: blocks until the collective is released (raises to abandon it)
+and returns what performs it on this rank's arguments."""
+
+
 class Interposer:
     """Installs gated wrappers on the torch.distributed collectives of this process.
 
     ``rank`` is the global rank. Records every collective of the current task in ``calls``.
+    With an ``exchange`` (the in-process tier) no backend runs: the exchange gates the call and
+    performs it, every collective goes through it (also outside `active`, unrecorded: Megatron's
+    router reduces while the trackers are filled), and the wrappers are installed once for all
+    ranks by the tier (``install=False``), which hands each call to the running rank's
+    `intercept`.
     """
 
-    def __init__(self, rank: int, gate: Gate | None) -> None:
+    def __init__(
+        self, rank: int, gate: Gate | None, *, exchange: Exchange | None = None,
+        install: bool = True,
+    ) -> None:  # fmt: skip
         self.rank = rank
         self.gate = gate
+        self.exchange = exchange
+        self.install = install
         self.calls: list[CollectiveCall] = []
+        self.recording = False
         self._depth = 0
         self._originals: dict[tuple[object, str], Callable[..., Any]] = {}
 
@@ -164,11 +184,15 @@ class Interposer:
     def active(self) -> Iterator[list[CollectiveCall]]:
         """Intercept collectives inside the block; yields the list of calls it records."""
         self.calls = []
-        self._install()
+        self.recording = True
+        if self.install:
+            self._install()
         try:
             yield self.calls
         finally:
-            self._uninstall()
+            self.recording = False
+            if self.install:
+                self._uninstall()
 
     def _install(self) -> None:
         for name in COLLECTIVES:
@@ -191,43 +215,63 @@ class Interposer:
         signature = inspect.signature(original)
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            if self._depth > 0:
-                return original(*args, **kwargs)
-            call = self._describe(op, signature, args, kwargs)
-            self.calls.append(call)
-            index = len(self.calls) - 1
-            if call.outcome in ("not-member", "rejected"):
-                return original(*args, **kwargs)
-            if call.outcome == "pending" and self.gate is not None:
-                try:
-                    self.gate(call)
-                except BaseException:
-                    self.calls[index] = call.model_copy(update={"outcome": "aborted"})
-                    raise
-            self._depth += 1
-            begin = time.monotonic()
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                self.calls[index] = call.model_copy(
-                    update={"outcome": "failed", "seconds": time.monotonic() - begin}
-                )
-                raise
-            finally:
-                self._depth -= 1
-            outcome = "local" if call.outcome == "local" else "ran"
-            self.calls[index] = call.model_copy(
-                update={"outcome": outcome, "seconds": time.monotonic() - begin}
-            )
-            return result
+            return self.intercept(op, original, signature, args, kwargs)
 
         collective.__wrapped__ = original  # type: ignore[attr-defined]
         collective.__name__ = op
         return collective
 
+    def intercept(
+        self,
+        op: str,
+        original: Callable[..., Any],
+        signature: inspect.Signature,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Describe, gate and run one collective call of this rank."""
+        if self._depth > 0:
+            return original(*args, **kwargs)
+        call, arguments = self._describe(op, signature, args, kwargs)
+        index = self._record(call)
+        if call.outcome in ("not-member", "rejected"):
+            return original(*args, **kwargs)
+        try:
+            if self.exchange is not None:
+                run = self.exchange(call, arguments)
+            else:
+                if call.outcome == "pending" and self.gate is not None:
+                    self.gate(call)
+                run = functools.partial(original, *args, **kwargs)
+        except BaseException:
+            self._update(index, call, outcome="aborted")
+            raise
+        self._depth += 1
+        begin = time.monotonic()
+        try:
+            result = run()
+        except BaseException:
+            self._update(index, call, outcome="failed", seconds=time.monotonic() - begin)
+            raise
+        finally:
+            self._depth -= 1
+        outcome = "local" if call.outcome == "local" else "ran"
+        self._update(index, call, outcome=outcome, seconds=time.monotonic() - begin)
+        return result
+
+    def _record(self, call: CollectiveCall) -> int | None:
+        if not self.recording:
+            return None
+        self.calls.append(call)
+        return len(self.calls) - 1
+
+    def _update(self, index: int | None, call: CollectiveCall, **update: Any) -> None:
+        if index is not None and index < len(self.calls) and self.calls[index] is call:
+            self.calls[index] = call.model_copy(update=update)
+
     def _describe(
         self, op: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> CollectiveCall:
+    ) -> tuple[CollectiveCall, dict[str, Any]]:
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         group = bound.arguments.get("group") or dist.group.WORLD
@@ -246,7 +290,7 @@ class Interposer:
             outcome = "local"
         else:
             outcome = "pending"
-        return CollectiveCall(
+        call = CollectiveCall(
             rank=self.rank,
             index=len(self.calls),
             op=op,
@@ -258,6 +302,7 @@ class Interposer:
             outcome=outcome,
             payload_bytes=payload_bytes(op, bound.arguments),
         )
+        return call, dict(bound.arguments)
 
 
 def installed_wrappers() -> list[str]:
@@ -265,4 +310,12 @@ def installed_wrappers() -> list[str]:
     return [n for n in COLLECTIVES if hasattr(getattr(dist, n, None), "__wrapped__")]
 
 
-__all__ = ["COLLECTIVES", "Gate", "Interposer", "call_site", "installed_wrappers", "invalid_root"]
+__all__ = [
+    "COLLECTIVES",
+    "Exchange",
+    "Gate",
+    "Interposer",
+    "call_site",
+    "installed_wrappers",
+    "invalid_root",
+]

@@ -10,20 +10,31 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from types import TracebackType
+from typing import Literal
 
+from pipemetrics.sim.inprocess_world import InProcessWorld
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import World, WorldRun
 
 DEFAULT_MAX_RANKS = 12
 
+Tier = Literal["process", "inprocess"]
+"""``process``: one OS process per rank over real gloo (`World`); ``inprocess``: every rank in
+one host process, scheduled deterministically (`InProcessWorld`)."""
+TIERS: tuple[Tier, ...] = ("process", "inprocess")
+LiveWorld = World | InProcessWorld
+
 
 class WorldPool:
     """Live worlds by shape. Use as a context manager; `close` ends every world."""
 
-    def __init__(self, *, max_ranks: int = DEFAULT_MAX_RANKS) -> None:
+    def __init__(self, *, max_ranks: int = DEFAULT_MAX_RANKS, tier: Tier = "process") -> None:
+        """``max_ranks``: the most OS processes the live worlds may hold together (a world of
+        the in-process tier holds one)."""
         self.max_ranks = max_ranks
-        self._worlds: OrderedDict[str, World] = OrderedDict()
+        self.tier = tier
+        self._worlds: OrderedDict[str, LiveWorld] = OrderedDict()
         self.started = 0
         self.retired = 0
 
@@ -38,16 +49,17 @@ class WorldPool:
     ) -> None:
         self.close()
 
-    def world(self, spec: WorldSpec) -> World:
-        """A live world of this shape, started if needed."""
+    def world(self, spec: WorldSpec) -> LiveWorld:
+        """A live world of this shape on the pool's tier, started if needed."""
         world = self._worlds.get(spec.key)
         if world is not None and world.alive:
             self._worlds.move_to_end(spec.key)
             return world
         if world is not None:
             self._drop(spec.key)
-        self._make_room(spec.world_size)
-        world = World(spec).start()
+        world = InProcessWorld(spec) if self.tier == "inprocess" else World(spec)
+        self._make_room(world.processes)
+        world.start()
         self.started += 1
         self._worlds[spec.key] = world
         return world
@@ -65,7 +77,8 @@ class WorldPool:
         return result
 
     def live_ranks(self) -> int:
-        return sum(w.spec.world_size for w in self._worlds.values())
+        """OS processes of the live worlds."""
+        return sum(w.processes for w in self._worlds.values())
 
     def pids(self) -> list[int]:
         return [pid for world in self._worlds.values() for pid in world.pids]
@@ -89,7 +102,7 @@ class WorldPool:
         else:
             world.close()
 
-    def _make_room(self, ranks: int) -> None:
-        while self._worlds and self.live_ranks() + ranks > self.max_ranks:
+    def _make_room(self, processes: int) -> None:
+        while self._worlds and self.live_ranks() + processes > self.max_ranks:
             oldest = next(iter(self._worlds))
             self._drop(oldest, retired=False)

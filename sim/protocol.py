@@ -92,6 +92,29 @@ class Done(Frozen):
     """The target could not be loaded in this rank."""
 
 
+class HostReady(Frozen):
+    """The in-process tier's host process has built every rank of its world."""
+
+    kind: Literal["host-ready"] = "host-ready"
+    places: dict[int, RankPlace]
+    pid: int
+    startup_s: float
+
+
+class HostResult(Frozen):
+    """What the in-process tier's host returns for a task: the verdict and every rank's
+    `Done` (the same as a process world's ranks send), decided by the host's scheduler."""
+
+    kind: Literal["host-result"] = "host-result"
+    verdict: Any
+    """A `pipemetrics.sim.coordinator.Verdict` (typed loosely: the coordinator imports this
+    module)."""
+    done: dict[int, Done]
+    released: int
+    seconds: float
+    reusable: bool
+
+
 class Go(Frozen):
     kind: Literal["go"] = "go"
 

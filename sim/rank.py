@@ -120,13 +120,19 @@ class RankServer:
     """Serves tasks for one rank over a connection to the controller."""
 
     def __init__(
-        self, rank: int, conn: Connection | None, groups: dict[str, dist.ProcessGroup]
+        self,
+        rank: int,
+        conn: Connection | None,
+        groups: dict[str, dist.ProcessGroup],
+        interposer: Interposer | None = None,
     ) -> None:
+        """``interposer``: the in-process tier passes its own (see `pipemetrics.sim.inprocess`);
+        by default collectives are gated through ``conn``."""
         self.rank = rank
         self.conn = conn
         self.groups = groups
         self.place = place_of(rank, groups)
-        self.interposer = Interposer(rank, self._gate)
+        self.interposer = interposer or Interposer(rank, self._gate)
         self.new_groups: dict[tuple[int, ...], Any] = {}
         """The current task's ``new_group`` groups by members (a non-member holds torch's
         ``GroupMember.NON_GROUP_MEMBER``); destroyed when the task ends."""
@@ -151,21 +157,27 @@ class RankServer:
             if isinstance(message, Task):
                 self.conn.send(self.run(message))
 
-    def run(self, task: Task) -> Done:
-        self.interposer.gate = self._gate if task.gate else None
+    def run(self, task: Task, scenario: Scenario | None = None) -> Done:
+        """Run ``task`` (``scenario``: the task's, already parsed)."""
+        if self.interposer.exchange is None:
+            self.interposer.gate = self._gate if task.gate else None
         try:
-            return self._run(task)
+            return self._run(task, scenario)
         finally:
             self._destroy_new_groups()
 
-    def _run(self, task: Task) -> Done:
+    def load(self, target: str) -> ModuleType:
+        """The target's module, executed afresh for this task."""
+        return load_target(target)
+
+    def _run(self, task: Task, parsed: Scenario | None) -> Done:
         reports: list[CallReport] = []
         try:
-            scenario = Scenario.model_validate_json(task.scenario_json)
+            scenario = parsed or Scenario.model_validate_json(task.scenario_json)
             reset_trackers()
             self._create_new_groups(scenario)
             try:
-                target = load_target(scenario.target)
+                target = self.load(scenario.target)
             except TargetLoadError as exc:
                 return Done(rank=self.rank, reports=[], load_error=_error(exc))
             with megatron_pipeline_layout(scenario.setup, self.place.pp_rank):
@@ -469,15 +481,14 @@ def _die_with(controller_pid: int, leftovers: list[str]) -> None:
     threading.Thread(target=watch, name="pipemetrics-watchdog", daemon=True).start()
 
 
-def _redirect_output(directory: str, rank: int) -> Any:
-    """Send this rank's stdout/stderr to files in the world directory; stack dumps go there too."""
-    out = os.open(
-        os.path.join(directory, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
-    )
+def _redirect_output(directory: str, name: str) -> Any:
+    """Send this process's stdout/stderr to ``name.log`` in the world directory, and its stack
+    dumps (SIGUSR1) to ``name.stacks``."""
+    out = os.open(os.path.join(directory, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
-    stacks = open(os.path.join(directory, f"rank{rank}.stacks"), "w")  # noqa: SIM115
+    stacks = open(os.path.join(directory, f"{name}.stacks"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     return stacks
 
@@ -499,7 +510,7 @@ def rank_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(controller_pid, leftovers)
     try:
-        stacks = _redirect_output(directory, rank)
+        stacks = _redirect_output(directory, f"rank{rank}")
     except OSError:  # the controller gave up on this world while it was starting
         os._exit(1)
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ from pipemetrics.sim.protocol import Abort, Call, CollectiveCall, Done, Go, Read
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 
-PRELOAD = ["pipemetrics.sim.rank", "pipemetrics.sim.router_fill"]
+PRELOAD = ["pipemetrics.sim.rank", "pipemetrics.sim.router_fill", "pipemetrics.sim.inprocess"]
 UNWIND_GRACE_S = 5.0
 """How long ranks get to unwind after a verdict before the world is declared dirty and killed."""
 STACK_DUMP_WAIT_S = 0.3
@@ -190,6 +190,8 @@ def _kill_all(pids: list[int], directory: str) -> None:
 class World:
     """A live world of ``spec.world_size`` rank processes. Use as a context manager."""
 
+    tier = "process"
+
     def __init__(
         self,
         spec: WorldSpec,
@@ -242,6 +244,11 @@ class World:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def processes(self) -> int:
+        """Operating-system processes the world holds (`WorldPool` budgets them)."""
+        return self.spec.world_size
 
     def start(self) -> World:
         began = time.monotonic()

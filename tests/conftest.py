@@ -29,7 +29,7 @@ from typing import IO
 
 import pytest
 
-from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.pool import Tier, WorldPool
 
 
 def pid_alive(pid: int) -> bool:
@@ -51,8 +51,8 @@ def world_dirs() -> set[str]:
 class TrackingPool(WorldPool):
     """A pool that remembers every pid and directory it ever started, for leak checks."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, tier: Tier = "process") -> None:
+        super().__init__(tier=tier)
         self.all_pids: set[int] = set()
         self.all_dirs: set[str] = set()
 
@@ -70,14 +70,27 @@ def assert_nothing_left(pids: set[int], dirs: set[str]) -> None:
     assert not remaining, f"world directories survived: {remaining}"
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[TrackingPool]:
-    tracking = TrackingPool()
+@contextmanager
+def tracking_pool(tier: Tier) -> Iterator[TrackingPool]:
+    tracking = TrackingPool(tier)
     try:
         yield tracking
     finally:
         tracking.close()
         assert_nothing_left(tracking.all_pids, tracking.all_dirs)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[TrackingPool]:
+    with tracking_pool("process") as tracking:
+        yield tracking
+
+
+@pytest.fixture(scope="module")
+def inprocess_pool() -> Iterator[TrackingPool]:
+    """Worlds of the in-process tier (one host process each), with the same leak checks."""
+    with tracking_pool("inprocess") as tracking:
+        yield tracking
 
 
 @contextmanager

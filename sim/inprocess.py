@@ -1,0 +1,524 @@
+"""The in-process tier: every rank of a world in one process, run one at a time.
+
+A host process (started by `pipemetrics.sim.inprocess_world.InProcessWorld`) holds N ranks.
+Each rank joined its own world on torch's ``fake`` backend (real ``ProcessGroup`` objects, real
+``new_group``, ranks and names as in a real world; no data moves through it) and built its
+groups with megatron-core's own ``initialize_model_parallel``; its process-global state is a
+`RankGlobals`, swapped in whenever it runs. A task runs every rank's `RankServer` (the same code
+as a rank process: trackers filled through Megatron's real recording functions, the target
+called the same way) in a greenlet of its own. Every ``torch.distributed`` collective is a
+switch point: the rank describes it and yields to the scheduler, which feeds the same
+`Coordinator` as the process tier; a released collective's data moves by
+`pipemetrics.sim.collective_semantics`, each member applying its share when it resumes.
+
+Scheduling is deterministic: ranks run in rank order, a released collective's members resume in
+group order, and nothing depends on timing, so a scenario gives the same verdict, values and
+collectives every time. Mismatch and deadlock are decided on the event that makes them certain,
+as in the process tier. A rank that neither yields nor returns (a sleep, a lock, a spin) cannot
+be preempted: a watchdog thread reports the timeout with every rank's stack and the host is then
+discarded (`HostResult.reusable` False), as a world with a stuck rank is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from types import FrameType, ModuleType
+from typing import Any
+
+import greenlet
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from pipemetrics.sim.collective_semantics import Contribution, Meeting, contribute
+from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.interpose import COLLECTIVES, Interposer
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.protocol import CollectiveCall, Done, HostReady, HostResult, Shutdown, Task
+from pipemetrics.sim.rank import RankServer, SimAbort, join_world
+from pipemetrics.sim.rank_globals import RankGlobals, pristine_values, private_module, rank_slots
+from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.target import load_target
+from pipemetrics.sim.trackers import cpu_current_device
+
+UNWIND_GRACE_S = 5.0
+"""How long ranks get to unwind after a verdict before the host is declared dirty."""
+
+
+class InProcessStartError(RuntimeError):
+    """The in-process world could not be built."""
+
+
+@dataclass
+class _Blocked:
+    """A rank waiting at a collective."""
+
+    call: CollectiveCall
+    arguments: dict[str, Any]
+    contribution: Contribution
+
+
+@dataclass
+class _Go:
+    meeting: Meeting
+
+
+@dataclass
+class _Stop:
+    reason: str
+
+
+def _fake_backend() -> Callable[[], Any]:
+    """A store for torch's ``fake`` backend (registering the backend on first use)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # pragma: no cover - every torch this project pins has it
+        raise InProcessStartError(
+            f"the in-process tier needs torch's fake process group ({exc}); use --tier process"
+        ) from exc
+    return FakeStore
+
+
+def _process_wide_group_names_off() -> None:
+    """torch registers every process group by name in a process-wide C++ registry (for
+    functional collectives) and refuses a name twice; every rank here names its groups as a real
+    rank does ("0" for its world), so the host, a process of its own, keeps no such registry."""
+    for name in ("_register_process_group", "_unregister_process_group"):
+        setattr(c10d, name, lambda *args, **kwargs: None)
+
+
+class _Rank:
+    """One rank of the host: its server (the rank process's code), globals and greenlet."""
+
+    def __init__(self, host: InProcessHost, rank: int) -> None:
+        self.host = host
+        self.rank = rank
+        self.globals = RankGlobals.fresh(host.slots, host.pristine)
+        self.globals.restore(host.private)
+        dist.init_process_group(
+            "fake", store=host.store_type(), rank=rank, world_size=host.spec.world_size
+        )
+        interposer = Interposer(rank, None, exchange=self._exchange, install=False)
+        self.server = _InProcessServer(self, rank, join_world(host.spec), interposer)
+        self.globals.capture(host.private)
+        self.greenlet: greenlet.greenlet | None = None
+
+    def _exchange(self, call: CollectiveCall, arguments: dict[str, Any]) -> Callable[[], Any]:
+        contribution = contribute(call.op, arguments)
+        if call.outcome == "local":
+            meeting = Meeting(call.op, call.group_ranks, [arguments], [contribution])
+            return lambda: meeting.apply(self.rank)
+        assert self.greenlet is not None and self.greenlet.parent is not None
+        answer = self.greenlet.parent.switch(_Blocked(call, arguments, contribution))
+        if isinstance(answer, _Stop):
+            raise SimAbort(answer.reason)
+        assert isinstance(answer, _Go)
+        return lambda: answer.meeting.apply(self.rank)
+
+
+class _InProcessServer(RankServer):
+    def __init__(
+        self, owner: _Rank, rank: int, groups: dict[str, dist.ProcessGroup], i: Interposer
+    ) -> None:
+        super().__init__(rank, None, groups, i)
+        self.owner = owner
+        self.loaded: set[str] = set()
+        """Targets this rank has loaded once (their private modules are known)."""
+
+    def load(self, target: str) -> ModuleType:
+        """Load the target into this rank's own modules: whatever its first loading imports
+        outside the installed libraries becomes private to the ranks."""
+        if target in self.loaded:
+            return load_target(target)
+        before = set(sys.modules)
+        module = load_target(target)
+        private = self.owner.host.private
+        private.add(module.__name__)
+        for name in set(sys.modules) - before:
+            loaded = sys.modules.get(name)
+            if loaded is not None and private_module(loaded):
+                private.add(name)
+        self.loaded.add(target)
+        return module
+
+
+class InProcessHost:
+    """N ranks of one world in this process, and the scheduler that runs a task on them."""
+
+    def __init__(self, spec: WorldSpec) -> None:
+        self.spec = spec
+        self.store_type = _fake_backend()
+        self.slots = rank_slots()
+        self.pristine = pristine_values(self.slots)
+        self.private: set[str] = set()
+        self.current: _Rank | None = None
+        _process_wide_group_names_off()
+        self.ranks = [_Rank(self, r) for r in range(spec.world_size)]
+        self._restore_pristine()
+        self.places: dict[int, RankPlace] = {r.rank: r.server.place for r in self.ranks}
+
+    def _restore_pristine(self) -> None:
+        for (owner, name), value in zip(self.slots, self.pristine, strict=True):
+            setattr(owner, name, value)
+
+    # -- running a task -------------------------------------------------------------------------
+
+    def run(self, task: Task, watchdog: _Watchdog | None = None) -> HostResult:
+        """Run ``task`` on every rank; deterministic."""
+        scenario = Scenario.model_validate_json(task.scenario_json)
+        began = time.monotonic()
+        coordinator = Coordinator([r.rank for r in self.ranks], self.places)
+        done: dict[int, Done] = {}
+        blocked: dict[int, _Blocked] = {}
+        answers: dict[int, _Go | _Stop] = {}
+        ready = deque(self.ranks)
+        deadline = began + scenario.deadline_s
+        unwind_until: float | None = None
+        dirty = False
+        for rank in self.ranks:
+            rank.greenlet = greenlet.greenlet(_runner(rank.server, task, scenario))
+        if watchdog is not None:
+            watchdog.arm(self, coordinator, deadline, scenario.deadline_s)
+        with self._dispatching(), cpu_current_device():
+            while ready:
+                now = time.monotonic()
+                limit = unwind_until if unwind_until is not None else deadline
+                if now > limit:
+                    if unwind_until is None:
+                        coordinator.on_timeout(scenario.deadline_s, self.stacks())
+                    dirty = True
+                    break
+                rank = ready.popleft()
+                message = self._switch(rank, answers.pop(rank.rank, None))
+                if isinstance(message, _Blocked):
+                    blocked[rank.rank] = message
+                    released = coordinator.on_call(message.call)
+                else:
+                    assert isinstance(message, Done)
+                    done[rank.rank] = message
+                    released = coordinator.on_done(rank.rank, time.monotonic())
+                    broken = _broken(message)
+                    if broken is not None:
+                        coordinator.on_broken_collective(*broken, time.monotonic())
+                self._release(released, blocked, answers, ready)
+                if coordinator.verdict is not None:
+                    if unwind_until is None:
+                        unwind_until = time.monotonic() + UNWIND_GRACE_S
+                    for stopped in sorted(blocked):
+                        answers[stopped] = _Stop(coordinator.verdict.message)
+                        ready.append(self.ranks[stopped])
+                    blocked.clear()
+        if watchdog is not None and not watchdog.disarm():
+            return watchdog.result_sent()
+        if coordinator.verdict is None:
+            harness = [(r, d.harness_error) for r, d in sorted(done.items()) if d.harness_error]
+            if harness:
+                rank_id, err = harness[0]
+                assert err is not None
+                coordinator.on_harness_error(
+                    f"pipemetrics fault in rank {rank_id}: {err.type}: {err.message}\n"
+                    f"{err.traceback}"
+                )
+            elif blocked or len(done) < len(self.ranks):
+                coordinator.on_harness_error(
+                    f"in-process scheduler stopped with ranks {sorted(blocked)} blocked and "
+                    f"{sorted(set(self.places) - set(done))} unfinished but no verdict"
+                )
+            else:
+                coordinator.finish_ok()
+        assert coordinator.verdict is not None
+        unfinished = [r for r in self.ranks if r.greenlet is not None and not r.greenlet.dead]
+        for rank in self.ranks:
+            rank.greenlet = None
+        return HostResult(
+            verdict=coordinator.verdict,
+            done=done,
+            released=coordinator.released,
+            seconds=time.monotonic() - began,
+            reusable=not dirty and not unfinished,
+        )
+
+    def _release(
+        self,
+        released: list[int],
+        blocked: dict[int, _Blocked],
+        answers: dict[int, _Go | _Stop],
+        ready: deque[_Rank],
+    ) -> None:
+        """Resume the members of each released collective, in group order. A member whose own
+        contribution failed (an object it cannot pickle) resumes alone, to raise; its peers stay
+        blocked, as they would inside the real backend, until the verdict stops them."""
+        if not released:
+            return
+        members = sorted(released, key=lambda r: (blocked[r].call.group_name, r))
+        groups: dict[str, list[int]] = {}
+        for r in members:
+            groups.setdefault(blocked[r].call.group_name, []).append(r)
+        for group in groups.values():
+            first = blocked[group[0]].call
+            order = [r for r in first.group_ranks if r in group]
+            meeting = Meeting(
+                first.op,
+                first.group_ranks,
+                [blocked[r].arguments for r in order],
+                [blocked[r].contribution for r in order],
+            )
+            failed = [r for r in order if blocked[r].contribution.error is not None]
+            for r in failed or order:
+                answers[r] = _Go(meeting)
+                ready.append(self.ranks[r])
+                del blocked[r]
+
+    def _switch(self, rank: _Rank, answer: _Go | _Stop | None) -> object:
+        """Run ``rank`` until it yields or returns; its globals are swapped in meanwhile."""
+        assert rank.greenlet is not None
+        rank.globals.restore(self.private)
+        self.current = rank
+        try:
+            return rank.greenlet.switch(answer)
+        finally:
+            self.current = None
+            rank.globals.capture(self.private)
+
+    @contextmanager
+    def _dispatching(self) -> Iterator[None]:
+        """Route every torch.distributed collective to the running rank's interposer, and make
+        ``get_backend`` answer the world's backend (the fake backend stands in for it)."""
+        originals: dict[tuple[object, str], Any] = {}
+
+        def dispatcher(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            signature = inspect.signature(original)
+
+            refusing = _refusing_invalid_roots(op, original, signature)
+
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                rank = self.current
+                if rank is None:  # pragma: no cover - only ranks run code during a task
+                    raise RuntimeError(f"{op} called outside any rank of the in-process world")
+                interposer = rank.server.interposer
+                return interposer.intercept(op, refusing, signature, args, kwargs)
+
+            collective.__wrapped__ = original  # type: ignore[attr-defined]
+            collective.__name__ = op
+            return collective
+
+        original_backend = c10d.get_backend
+        backend = self.spec.backend
+
+        def get_backend(group: Any = None) -> Any:
+            answer = original_backend(group)
+            return backend if str(answer) == "fake" else answer
+
+        replacements: dict[str, Callable[..., Any]] = {"get_backend": get_backend}
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if callable(original):
+                replacements[name] = dispatcher(name, original)
+        for name, replacement in replacements.items():
+            original = getattr(c10d, name)
+            for owner in (dist, c10d):
+                if getattr(owner, name, None) is original:
+                    originals[(owner, name)] = original
+                    setattr(owner, name, replacement)
+        try:
+            yield
+        finally:
+            for (holder, name), original in originals.items():
+                setattr(holder, name, original)
+
+    def stacks(self) -> dict[int, str]:
+        """Every rank's Python stack: the running one's from its thread, the others' from their
+        suspended greenlets."""
+        stacks: dict[int, str] = {}
+        running = self.current
+        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        for rank in self.ranks:
+            frame: FrameType | None
+            if rank is running:
+                frame = main
+            else:
+                g = rank.greenlet
+                frame = g.gr_frame if g is not None and not g.dead else None
+            if frame is not None:
+                stacks[rank.rank] = "".join(traceback.format_stack(frame))[-6000:]
+        return stacks
+
+
+_BACKEND_OP = {
+    "broadcast_object_list": "broadcast",
+    "gather_object": "gather",
+    "scatter_object_list": "scatter",
+}
+"""The backend collective an object collective's root reaches gloo through."""
+
+
+def _refusing_invalid_roots(
+    op: str, original: Callable[..., Any], signature: inspect.Signature
+) -> Callable[..., Any]:
+    """``original`` (on the fake backend), refusing a group root out of range as gloo does.
+
+    torch itself refuses a global root outside the group (ValueError, before any backend);
+    a ``group_src``/``group_dst`` out of range reaches the backend, and gloo raises
+    ``ProcessGroupGloo::<op>: invalid root rank: <root>`` on the calling rank (the interposer
+    leaves such a call ungated: `pipemetrics.sim.interpose.invalid_root`). The fake backend
+    accepts any root, so that refusal is made here."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        for name in ("group_src", "group_dst"):
+            root = bound.arguments.get(name)
+            group = bound.arguments.get("group") or dist.group.WORLD
+            if isinstance(root, int) and not 0 <= root < dist.get_world_size(group):
+                raise RuntimeError(
+                    f"ProcessGroupGloo::{_BACKEND_OP.get(op, op)}: invalid root rank: {root}"
+                )
+        return result
+
+    return call
+
+
+def _runner(server: RankServer, task: Task, scenario: Scenario) -> Callable[[], Done]:
+    def run(*_first_switch: object) -> Done:
+        return server.run(task, scenario)
+
+    return run
+
+
+def _broken(done: Done) -> tuple[CollectiveCall, str] | None:
+    for report in done.reports:
+        for call in report.collectives:
+            if call.outcome == "failed":
+                error = report.error
+                return call, f"{error.type}: {error.message}" if error else "an exception"
+    return None
+
+
+class _Watchdog:
+    """Reports a timeout from a thread of its own when a rank neither yields nor returns (the
+    scheduler, stuck inside that rank, cannot): one second after the scenario's deadline it
+    sends the timeout with every rank's stack, and the host is discarded."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.sent: HostResult | None = None
+        self._finished = threading.Event()
+
+    def arm(self, host: InProcessHost, coordinator: Coordinator, deadline: float, s: float) -> None:
+        with self.lock:
+            self.sent = None
+            self._finished = threading.Event()
+        threading.Thread(
+            target=self._watch,
+            args=(self._finished, host, coordinator, deadline, s),
+            name="pipemetrics-inprocess-watchdog",
+            daemon=True,
+        ).start()
+
+    def disarm(self) -> bool:
+        """False when the watchdog already sent a timeout for this task."""
+        with self.lock:
+            self._finished.set()
+            return self.sent is None
+
+    def result_sent(self) -> HostResult:
+        assert self.sent is not None
+        return self.sent
+
+    def _watch(
+        self,
+        finished: threading.Event,
+        host: InProcessHost,
+        coordinator: Coordinator,
+        deadline: float,
+        deadline_s: float,
+    ) -> None:
+        if finished.wait(max(0.0, deadline - time.monotonic()) + 1.0):
+            return
+        with self.lock:
+            if finished.is_set():
+                return
+            coordinator.on_timeout(deadline_s, host.stacks())
+            verdict = coordinator.verdict
+            assert isinstance(verdict, Verdict)
+            self.sent = HostResult(
+                verdict=verdict, done={}, released=coordinator.released, seconds=0.0,
+                reusable=False,
+            )  # fmt: skip
+            self.conn.send(self.sent)
+
+
+def _run_or_report(host: InProcessHost, task: Task, watchdog: _Watchdog) -> HostResult:
+    """The task's result; a fault of the scheduler itself is a harness error, and the host,
+    whose ranks may be left mid-task, is discarded."""
+    try:
+        return host.run(task, watchdog)
+    except Exception as exc:
+        watchdog.disarm()
+        trace = "".join(traceback.format_exception(exc))[-6000:]
+        verdict = Verdict(kind="harness_error", message=f"in-process scheduler fault: {trace}")
+        return HostResult(verdict=verdict, done={}, released=0, seconds=0.0, reusable=False)
+
+
+def host_main(
+    spec_json: str,
+    directory: str,
+    conn: Connection,
+    controller_pid: int,
+    leftovers: list[str],
+) -> None:
+    """Entry point of the host process of an in-process world."""
+    from pipemetrics.sim import rank as rank_module
+
+    began = time.monotonic()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    rank_module._die_with(controller_pid, leftovers)
+    try:
+        stacks = rank_module._redirect_output(directory, "host")
+    except OSError:
+        os._exit(1)
+    code = 0
+    try:
+        torch.set_num_threads(1)
+        host = InProcessHost(WorldSpec.model_validate_json(spec_json))
+        conn.send(
+            HostReady(places=host.places, pid=os.getpid(), startup_s=time.monotonic() - began)
+        )
+        watchdog = _Watchdog(conn)
+        while True:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                rank_module._orphaned_exit(leftovers)
+                return
+            if isinstance(message, Shutdown):
+                break
+            if isinstance(message, Task):
+                result = _run_or_report(host, message, watchdog)
+                if result is not watchdog.sent:
+                    conn.send(result)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stacks.close()
+        rank_module._exit_if_orphaned(controller_pid, leftovers)
+    os._exit(code)
+
+
+__all__ = ["InProcessHost", "InProcessStartError", "host_main"]

@@ -1,0 +1,257 @@
+"""A live in-process world: one host process holding every rank (`pipemetrics.sim.inprocess`).
+
+The controller side of the in-process tier, with the same interface as
+`pipemetrics.sim.world.World` (start, run, close, kill), so `WorldPool` and everything above it
+take either tier. The host is forked from the same preloaded fork server as rank processes and
+owns one private temporary directory (its log and stack dumps); it runs a task to its verdict
+by itself and answers with a `HostResult`. The controller keeps a hard deadline of its own: a
+host that does not answer (a target holding the interpreter in native code) is killed and the
+run is a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import tempfile
+import time
+import weakref
+from multiprocessing import forkserver
+from multiprocessing.connection import Connection
+from types import TracebackType
+from typing import Any
+
+from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.protocol import HostReady, HostResult, Shutdown, Task
+from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.world import (
+    STACK_DUMP_WAIT_S,
+    RankResult,
+    WorldRun,
+    WorldStartError,
+    _check_socket_room,
+    _forkserver_directory,
+    _kill_all,
+    _RankProcess,
+    fork_context,
+    signals_held,
+)
+
+ANSWER_MARGIN_S = 10.0
+"""How long after a scenario's deadline the controller waits for the host's own verdict (its
+watchdog reports one second after the deadline; unwinding may take the host's grace period)."""
+
+
+class InProcessWorld:
+    """A live world of ``spec.world_size`` ranks in one host process. Use as a context manager."""
+
+    tier = "inprocess"
+
+    def __init__(self, spec: WorldSpec, *, start_timeout_s: float = 300.0) -> None:
+        if spec.backend != "gloo":
+            raise WorldStartError(
+                f"backend: the in-process tier simulates gloo worlds only, not {spec.backend}"
+            )
+        self.spec = spec
+        self.start_timeout_s = start_timeout_s
+        self.places: dict[int, RankPlace] = {}
+        self.startup_s = 0.0
+        self._proc: Any = None
+        self._conn: Connection | None = None
+        self._closed = False
+        with signals_held():
+            self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-inprocess-")
+            self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
+
+    def __enter__(self) -> InProcessWorld:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pids(self) -> list[int]:
+        pid = None if self._proc is None else self._proc.pid
+        return [pid] if isinstance(pid, int) else []
+
+    processes = 1
+    """Operating-system processes the world holds (`WorldPool` budgets them)."""
+
+    def start(self) -> InProcessWorld:
+        began = time.monotonic()
+        try:
+            with signals_held():
+                from pipemetrics.sim.inprocess import host_main
+
+            context = fork_context()
+            _check_socket_room()
+            forkserver.ensure_running()
+            leftovers = [self.directory, *_forkserver_directory()]
+            ours, theirs = context.Pipe(duplex=True)
+            self._proc = _RankProcess(
+                target=host_main,
+                args=(self.spec.model_dump_json(), self.directory, theirs, os.getpid(), leftovers),
+                name="pipemetrics-inprocess-host",
+                daemon=True,
+            )
+            self._proc.start()
+            theirs.close()
+            self._conn = ours
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _kill_all, self.pids, self.directory)
+            ready = self._receive(self.start_timeout_s)
+            if not isinstance(ready, HostReady):
+                raise WorldStartError(
+                    f"the in-process host of {self.spec.key} did not start: "
+                    f"{self._why_silent(ready)}. Host log: {self._log_tail()!r}"
+                )
+            self.places = ready.places
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.monotonic() - began
+        return self
+
+    def _receive(self, timeout_s: float) -> object:
+        """The host's next message, or ``"timeout"``/``"died"``."""
+        assert self._conn is not None and self._proc is not None
+        ready = multiprocessing.connection.wait([self._conn, self._proc.sentinel], timeout_s)
+        if self._conn in ready:
+            with contextlib.suppress(EOFError, OSError):
+                return self._conn.recv()
+        return "died" if ready else "timeout"
+
+    def _why_silent(self, answer: object) -> str:
+        if answer == "timeout":
+            return f"no answer within {self.start_timeout_s:g} s"
+        self._proc.join(1.0)
+        return f"it died (exit code {self._proc.exitcode})"
+
+    # -- running --------------------------------------------------------------------------------
+
+    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
+        """Run ``scenario`` on every rank. There is no raw mode: no real backend runs here."""
+        if not gate:
+            raise ValueError("raw mode runs the real backend: it needs the process tier")
+        if self._closed or self._conn is None:
+            raise RuntimeError("this world is closed")
+        if scenario.setup.world != self.spec:
+            raise ValueError(
+                f"scenario world {scenario.setup.world.key} does not match this world "
+                f"{self.spec.key}"
+            )
+        began = time.monotonic()
+        self._conn.send(Task(scenario_json=scenario.model_dump_json()))
+        answer = self._receive(scenario.deadline_s + ANSWER_MARGIN_S)
+        if isinstance(answer, HostResult):
+            verdict, done, released = answer.verdict, answer.done, answer.released
+            reusable = answer.reusable
+        else:
+            verdict = self._silent_verdict(answer, scenario.deadline_s)
+            done, released, reusable = {}, 0, False
+        assert isinstance(verdict, Verdict)
+        failed = verdict.kind != "ok"
+        tail = self._log_tail() if failed else ""
+        ranks = {
+            rank: RankResult(place=place, done=done.get(rank), log_tail=tail)
+            for rank, place in self.places.items()
+        }
+        if not reusable:
+            self.kill()
+        return WorldRun(
+            verdict=verdict,
+            ranks=ranks,
+            seconds=time.monotonic() - began,
+            reusable=reusable,
+            collectives_released=released,
+            startup_s=self.startup_s,
+        )
+
+    def _silent_verdict(self, answer: object, deadline_s: float) -> Verdict:
+        ranks = sorted(self.places)
+        if answer == "died":
+            self._proc.join(1.0)
+            code = self._proc.exitcode
+            return Verdict(
+                kind="crash",
+                message=f"the in-process host of {self.spec.key} died (exit code {code}) while "
+                "the task was running: a rank ended the process",
+                crashed={r: code for r in ranks},
+            )
+        return Verdict(
+            kind="timeout",
+            message=f"no verdict within the {deadline_s:g} s deadline: the in-process host did "
+            "not answer (a rank holds the interpreter); its stack is attached",
+            running=ranks,
+            stacks={-1: self._dump_stack()},
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ask the host to exit, kill it if it does not, and remove the world's directory."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._conn is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    self._conn.send(Shutdown())
+            if self._proc is not None:
+                self._proc.join(2.0)
+        finally:
+            if self._proc is not None and self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)
+            if self._conn is not None:
+                self._conn.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self._finalizer.detach()
+
+    def kill(self) -> None:
+        """Kill the host at once (a suspect world is never reused)."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+        self.close()
+
+    # -- diagnostics ----------------------------------------------------------------------------
+
+    def _dump_stack(self) -> str:
+        pid = self.pids[0] if self.pids else None
+        if pid is None:
+            return ""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+        path = os.path.join(self.directory, "host.stacks")
+        with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-6000:]
+        return ""
+
+    def _log_tail(self, limit: int = 2000) -> str:
+        path = os.path.join(self.directory, "host.log")
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, handle.tell() - limit))
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+
+__all__ = ["InProcessWorld"]

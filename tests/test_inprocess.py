@@ -1,0 +1,263 @@
+"""The in-process tier: every rank of a world in one host process, scheduled deterministically.
+
+Checked here: it agrees with the process tier (verdict kind, per-rank values, exceptions and
+collectives) on generated scenarios of every property and on every mutant of tests/broken; it
+is deterministic; each rank keeps its own Megatron state and its own copy of the target's
+modules; a target that blocks outside a collective, or ends the process, gets a verdict with
+stacks and leaves nothing behind; worlds of 64 ranks run on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import seed as hypothesis_seed
+
+from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
+from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.bench import throughput_scenario
+from pipemetrics.sim.calls import MoeCall
+from pipemetrics.sim.differential import differences
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.records import StepRecords
+from pipemetrics.sim.records import router_record as moe
+from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.world import WorldRun
+
+from .broken.mutants import MUTANTS, write_mutant
+from .conftest import TrackingPool, tracking_pool
+
+#: Generated scenarios per property compared between the tiers (CI runs this sample; set
+#: PIPEMETRICS_DIFFERENTIAL_EXAMPLES for a longer run, e.g. 40 for about 800 scenarios).
+EXAMPLES = int(os.environ.get("PIPEMETRICS_DIFFERENTIAL_EXAMPLES", "6"))
+#: Generated scenarios per failing property of each mutant.
+MUTANT_EXAMPLES = int(os.environ.get("PIPEMETRICS_DIFFERENTIAL_MUTANT_EXAMPLES", "4"))
+
+
+@pytest.fixture(scope="module")
+def tiers(pool: TrackingPool, inprocess_pool: TrackingPool) -> tuple[TrackingPool, TrackingPool]:
+    return pool, inprocess_pool
+
+
+def _semantic(prop: Property) -> str:
+    return "strict" if "strict" in prop.profiles else sorted(prop.profiles)[0]
+
+
+def assert_tiers_agree(
+    tiers: tuple[TrackingPool, TrackingPool], prop: Property, semantic: str, target: str | None,
+    examples: int,
+) -> int:  # fmt: skip
+    """Run ``examples`` generated scenarios of ``prop`` on both tiers; returns the number of
+    failing (non-ok or judged failing) examples seen, so a caller can tell it saw failures."""
+    process, inprocess = tiers
+    failing = 0
+
+    @settings(
+        max_examples=examples, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck),
+    )  # fmt: skip
+    @hypothesis_seed(0)
+    @given(prop.scenarios(PROFILES["ci"], semantic))  # type: ignore[arg-type]
+    def compare(scenario: Scenario) -> None:
+        nonlocal failing
+        update: dict[str, object] = {"property": prop.id, "profile": semantic}
+        if target is not None:
+            update["target"] = target
+        scenario = scenario.model_copy(update=update)
+        a = process.run(scenario)
+        b = inprocess.run(scenario)
+        found = differences(a, b, ("process", "inprocess"))
+        assert not found, f"{prop.id}: {scenario.model_dump_json()}\n" + "\n".join(found[:8])
+        verdict_a = judge_run(scenario, a)
+        verdict_b = judge_run(scenario, b)
+        assert bool(verdict_a) == bool(verdict_b), (verdict_a, verdict_b)
+        failing += bool(verdict_a)
+
+    compare()
+    return failing
+
+
+@pytest.mark.parametrize("property_id", [p.id for p in CATALOGUE])
+def test_the_tiers_agree_on_generated_scenarios(
+    tiers: tuple[TrackingPool, TrackingPool], property_id: str
+) -> None:
+    prop = BY_ID[property_id]
+    assert_tiers_agree(tiers, prop, _semantic(prop), None, EXAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(MUTANTS))
+def test_the_tiers_agree_on_every_mutant(
+    tiers: tuple[TrackingPool, TrackingPool], tmp_path: Path, name: str
+) -> None:
+    """Same scenarios, the mutant as target: both tiers see the same verdicts and values,
+    whether the bug shows in them or not."""
+    mutant = MUTANTS[name]
+    path = str(write_mutant(name, tmp_path))
+    for property_id in mutant.fails:
+        assert_tiers_agree(tiers, BY_ID[property_id], mutant.profile, path, MUTANT_EXAMPLES)
+
+
+# -- determinism and isolation -----------------------------------------------------------------
+
+
+def _scenario(world: WorldSpec, seed: int = 3, target: str | None = None) -> Scenario:
+    import random
+
+    scenario = throughput_scenario(world, random.Random(seed))
+    return scenario if target is None else scenario.model_copy(update={"target": target})
+
+
+def _fingerprint(run: WorldRun) -> list[object]:
+    out: list[object] = [run.verdict.kind]
+    for rank, result in sorted(run.ranks.items()):
+        assert result.done is not None
+        for report in result.done.reports:
+            out.append((rank, report.value, [(c.op, c.group_ranks, c.signature, c.call_site)
+                                             for c in report.collectives]))  # fmt: skip
+    return out
+
+
+def test_runs_are_deterministic_across_runs_and_hosts(inprocess_pool: TrackingPool) -> None:
+    world = WorldSpec(pp=2, dp=2)
+    scenario = _scenario(world)
+    first = inprocess_pool.run(scenario)
+    assert first.verdict.kind == "ok", first.verdict.message
+    again = inprocess_pool.run(scenario)
+    assert _fingerprint(first) == _fingerprint(again)
+    with tracking_pool("inprocess") as fresh:
+        assert _fingerprint(fresh.run(scenario)) == _fingerprint(first)
+
+
+ISOLATION_TARGET = """
+import torch.distributed as dist
+_CALLS = []
+
+
+def get_moe_metrics(loss_scale, per_layer_logging=False, num_layers=None, mtp_num_layers=None,
+                    total_loss_dict=None, track_names=None):
+    _CALLS.append(dist.get_rank())
+    t = __import__("torch").tensor([float(len(_CALLS))])
+    dist.all_reduce(t)
+    return {"calls_seen_here": float(len(_CALLS)), "sum": float(t.item()),
+            "pp_rank_from_megatron": float(__import__("megatron.core.parallel_state",
+                fromlist=["x"]).get_pipeline_model_parallel_rank())}
+"""
+
+
+def test_each_rank_has_its_own_module_state_and_megatron_state(
+    inprocess_pool: TrackingPool, tmp_path: Path
+) -> None:
+    """Module-level state of the target is per rank (a rank process has its own), and
+    parallel_state answers each rank's own pipeline rank."""
+    path = tmp_path / "isolation_target.py"
+    path.write_text(ISOLATION_TARGET)
+    world = WorldSpec(pp=2, dp=2)
+    run = inprocess_pool.run(_scenario(world, target=str(path)))
+    assert run.verdict.kind == "ok", run.verdict.message
+    for rank, result in run.ranks.items():
+        assert result.done is not None
+        value = result.done.reports[0].value
+        assert value["calls_seen_here"] == 1.0, (rank, value)
+        assert value["sum"] == 4.0, (rank, value)
+        assert value["pp_rank_from_megatron"] == float(result.place.pp_rank), (rank, value)
+
+
+# -- faults: a verdict with stacks, nothing left ------------------------------------------------
+
+
+def _fault_target(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "fault_target.py"
+    path.write_text(
+        "import os, time, torch.distributed as dist\n\n"
+        "def get_moe_metrics(loss_scale, **kwargs):\n" + textwrap.indent(body, "    ") + "\n"
+    )
+    return str(path)
+
+
+@pytest.fixture
+def own_pool() -> Iterator[TrackingPool]:
+    with tracking_pool("inprocess") as tracking:
+        yield tracking
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ("if dist.get_rank() == 1:\n    time.sleep(3600)\nreturn {}", "time.sleep"),
+        ("if dist.get_rank() == 1:\n    while True:\n        pass\nreturn {}", "while True"),
+    ],
+    ids=["sleep", "spin"],
+)
+def test_a_rank_that_blocks_outside_a_collective_times_out_with_stacks(
+    own_pool: TrackingPool, tmp_path: Path, body: str, where: str
+) -> None:
+    scenario = _scenario(WorldSpec(pp=2), target=_fault_target(tmp_path, body))
+    scenario = scenario.model_copy(update={"deadline_s": 2.0})
+    run = own_pool.run(scenario)
+    assert run.verdict.kind == "timeout", run.verdict.message
+    assert not run.reusable
+    assert 1 in run.verdict.stacks and where in run.verdict.stacks[1], run.verdict.stacks
+    assert "fault_target.py" in run.verdict.stacks[1]
+
+
+def test_a_rank_that_ends_the_process_is_a_crash(own_pool: TrackingPool, tmp_path: Path) -> None:
+    target = _fault_target(tmp_path, "if dist.get_rank() == 1:\n    os._exit(3)\nreturn {}")
+    run = own_pool.run(_scenario(WorldSpec(pp=2), target=target))
+    assert run.verdict.kind == "crash", run.verdict.message
+    assert "exit code 3" in run.verdict.message
+    assert not run.reusable
+
+
+def test_deadlock_and_mismatch_are_decided_as_in_the_process_tier(
+    tiers: tuple[TrackingPool, TrackingPool], tmp_path: Path
+) -> None:
+    cases = {
+        "deadlock": "if dist.get_rank() == 0:\n    return {}\n"
+        "t = __import__('torch').zeros(1)\ndist.all_reduce(t)\nreturn {}",
+        "mismatch": "t = __import__('torch').zeros(1 + dist.get_rank())\n"
+        "dist.all_reduce(t)\nreturn {}",
+    }
+    for kind, body in cases.items():
+        directory = tmp_path / kind
+        directory.mkdir()
+        scenario = _scenario(WorldSpec(pp=2), target=_fault_target(directory, body))
+        runs = [pool.run(scenario) for pool in tiers]
+        assert [r.verdict.kind for r in runs] == [kind, kind], [r.verdict.message for r in runs]
+        assert runs[1].reusable
+        assert runs[1].verdict.pending.keys() == runs[0].verdict.pending.keys()
+
+
+# -- scale --------------------------------------------------------------------------------------
+
+
+def test_a_world_of_64_ranks(inprocess_pool: TrackingPool) -> None:
+    """pp 4 x tp 2 x dp 8 with a dense first stage: every rank returns the oracle's values."""
+    world = WorldSpec(tp=2, pp=4, dp=8)
+    layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
+    setup = Setup(world=world, layout=layout)
+    from pipemetrics.sim.topology import coordinates
+
+    records = {
+        rank: [moe("load_balancing_loss", layer, 0.5 + rank / 64, layout.num_layers)
+               for layer in setup.stage_layer_numbers(coordinates(world, rank)["pp"])
+               if layer > 1]
+        for rank in range(world.world_size)
+    }  # fmt: skip
+    scenario = Scenario(
+        setup=setup,
+        steps=[Step(records=StepRecords(moe=records),
+                    calls=[MoeCall(num_layers=4, track_names=["load_balancing_loss"])])],
+        deadline_s=120.0,
+        property="moe.values",
+        profile="seed",
+    )  # fmt: skip
+    run = inprocess_pool.run(scenario)
+    assert run.verdict.kind == "ok", run.verdict.message
+    assert len(run.ranks) == 64
+    assert judge_run(scenario, run) == [], judge_run(scenario, run)
