@@ -29,7 +29,7 @@ from pipemetrics.properties.profiles import Profile, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault, describe_ranks
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.picture import run_picture
-from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, save_scenario
 from pipemetrics.sim.world import WorldRun, WorldStartError
 
@@ -55,6 +55,10 @@ class PropertyResult:
     picture: str | None = None
     """`pipemetrics.sim.picture.layout_picture` of the minimal failing example: stages by
     layers, each rank's groups, where each rank stood at the verdict."""
+    confirmed: bool | None = None
+    """A failure: True once it reproduced on the process tier (where a failure found by the
+    in-process tier is run again before it is reported; one found on the process tier is
+    there already). None for anything but a failure."""
 
     def counterexample_json(self) -> dict[str, Any] | None:
         """The counterexample scenario, plus its picture under ``"picture"`` when there is one."""
@@ -72,6 +76,7 @@ class PropertyResult:
             "counterexample": self.counterexample_json(),
             "replay": self.replay,
             "message": self.message,
+            "confirmed": self.confirmed,
             "cites": _cites(self.id),
         }
 
@@ -93,6 +98,8 @@ class RunOptions:
     report_dir: Path = Path("pipemetrics-report")
     progress: Callable[[str], None] | None = None
     """Told (one line) when a property first fails and shrinking begins."""
+    tier: Tier = "process"
+    """Where examples run; a failure found in-process is confirmed on the process tier."""
 
 
 class PropertyFailed(AssertionError):
@@ -191,9 +198,16 @@ def _write_replay(prop: Property, failure: _Failure, report_dir: Path) -> str:
 
 
 def run_property(
-    prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage
+    prop: Property,
+    pool: WorldPool,
+    options: RunOptions,
+    coverage: Coverage,
+    confirm_pool: WorldPool | None = None,
 ) -> PropertyResult:
-    """Run one property to completion (pass, shrunk failure, or error)."""
+    """Run one property to completion (pass, shrunk failure, or error).
+
+    ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
+    again before it is reported (`confirm_failure`)."""
     profile = options.profile
     state = _State()
     example = _example_runner(prop, pool, options, coverage, state)
@@ -237,4 +251,33 @@ def run_property(
         result.picture = failure.picture
         result.counterexample = failure.scenario.model_dump(mode="json")
         result.replay = _write_replay(prop, failure, options.report_dir)
+        if pool.tier == "process":
+            result.confirmed = True  # found in real processes over real gloo
+        else:
+            assert confirm_pool is not None, "a failure of another tier needs a process pool"
+            confirm_failure(prop, failure, result, confirm_pool)
     return result
+
+
+def confirm_failure(
+    prop: Property, failure: _Failure, result: PropertyResult, process_pool: WorldPool
+) -> None:
+    """Run the minimal failing scenario on the process tier (real processes, real gloo) and
+    keep the failure only if it fails there too. One that passes there is a fault of
+    pipemetrics (the in-process tier disagrees with the real world): reported as an error with
+    the in-process judgement, never dropped and never reported as the target's failure."""
+    try:
+        run = process_pool.run(failure.scenario)
+        problems = prop.judge(failure.scenario, run)
+    except WorldStartError as exc:
+        result.status = "error"
+        result.message = f"pipemetrics fault: could not confirm on the process tier: {exc}"
+        return
+    result.confirmed = bool(problems)
+    if not problems:
+        result.status = "error"
+        result.message = (
+            "pipemetrics fault: the in-process tier failed this example but the process tier "
+            "passes it (a bug of pipemetrics; please report it with the scenario file). "
+            "In-process: " + "; ".join(failure.problems[:3])
+        )

@@ -1,9 +1,11 @@
 """The check's outputs: the human table and failure write-ups, the JSON report, JUnit XML, and
 a Markdown summary (for a CI job summary).
 
-JSON contract: ``{"target", "profile", "conformant", "properties": [{"id", "function",
-"status", "examples", "seconds", "counterexample", "replay", "message"}]}`` plus the additional
-top-level key ``"coverage"``. A failure's ``counterexample`` (the scenario) carries one extra
+JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id", "function",
+"status", "examples", "seconds", "counterexample", "replay", "message", "confirmed"}]}`` plus
+the additional top-level key ``"coverage"``. ``confirmed`` is true for a failure that
+reproduced on the process tier (every reported failure; a failure of the in-process tier that
+did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
 key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.picture`.
 """
 
@@ -24,11 +26,16 @@ def conformant(results: list[PropertyResult]) -> bool:
 
 
 def report_json(
-    target: str, profile: str, results: list[PropertyResult], coverage: dict[str, Any]
+    target: str,
+    profile: str,
+    results: list[PropertyResult],
+    coverage: dict[str, Any],
+    tier: str = "process",
 ) -> dict[str, Any]:
     return {
         "target": target,
         "profile": profile,
+        "tier": tier,
         "conformant": conformant(results),
         "properties": [r.as_json() for r in results],
         "coverage": coverage,

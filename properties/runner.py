@@ -44,7 +44,7 @@ from pipemetrics.properties.report import (
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.sim.interrupt import signal_name, stop_child
-from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.pool import TIERS, WorldPool
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.scenario import DEFAULT_TARGET
 from pipemetrics.sim.target import TargetLoadError, is_path_target
@@ -144,6 +144,14 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CLASS",
         help="do not generate inputs of this class (repeatable): " + ", ".join(GENERATOR_CLASSES),
     )
+    parser.add_argument(
+        "--tier",
+        choices=TIERS,
+        default="process",
+        help="process: one OS process per rank over real gloo (default); inprocess: every rank "
+        "in one process, scheduled deterministically (faster, wider worlds); a failure it finds "
+        "is confirmed on the process tier before it is reported",
+    )
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
@@ -173,11 +181,17 @@ def _run_here(
     todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
 ) -> list[PropertyResult]:
     results = []
-    with WorldPool(max_ranks=options.profile.max_ranks) as pool:
+    max_ranks = options.profile.max_ranks
+    with (
+        WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
+        WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
+    ):
         for i, prop in enumerate(todo, start=offset + 1):
             _err(f"[{i}/{total}] {prop.id} ...")
             progress = _progress_for(f"[{i}/{total}] {prop.id}")
-            result = run_property(prop, pool, replace(options, progress=progress), coverage)
+            result = run_property(
+                prop, pool, replace(options, progress=progress), coverage, confirm_pool
+            )
             results.append(result)
             _err(_outcome_line(i, total, result))
     return results
@@ -193,7 +207,8 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
         "--impl", args.impl, "--profile", args.profile,
         "--hypothesis-profile", args.hypothesis_profile,
         "--report-dir", args.report_dir, "--database", args.database,
-        "--load-timeout", str(args.load_timeout), "--worker-json", out, "--only", *ids,
+        "--load-timeout", str(args.load_timeout), "--tier", args.tier,
+        "--worker-json", out, "--only", *ids,
     ]  # fmt: skip
     if args.max_examples is not None:
         command += ["--max-examples", str(args.max_examples)]
@@ -283,6 +298,7 @@ def run_check(args: argparse.Namespace) -> int:
         seed=args.seed,
         database=args.database,
         report_dir=Path(args.report_dir),
+        tier=args.tier,
     )
     results: dict[str, PropertyResult] = {}
     todo = []
@@ -300,7 +316,8 @@ def run_check(args: argparse.Namespace) -> int:
     began = time.monotonic()
     _err(
         f"pipemetrics check: {target} ({args.profile} profile, {profile.name} Hypothesis "
-        f"profile): {len(todo)} properties to run, {len(results)} absent or skipped"
+        f"profile, {args.tier} tier): {len(todo)} properties to run, {len(results)} absent or "
+        "skipped"
     )
     if args.workers > 1 and len(todo) > 1:
         ran = _run_workers(args, todo, coverage)
@@ -336,7 +353,7 @@ def _finish(
     out.flush()
     try:
         if args.json_out:
-            write_json(args.json_out, report_json(args.impl, args.profile, results, cov))
+            write_json(args.json_out, report_json(args.impl, args.profile, results, cov, args.tier))
         if args.junit:
             write_junit(args.junit, args.impl, results)
         if args.markdown:

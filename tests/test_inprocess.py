@@ -31,7 +31,8 @@ from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.world import WorldRun
 
 from .broken.mutants import MUTANTS, write_mutant
-from .conftest import TrackingPool, tracking_pool
+from .conftest import Bounds, TrackingPool, tracking_pool
+from .test_properties_runner import check
 
 #: Generated scenarios per property compared between the tiers (CI runs this sample; set
 #: PIPEMETRICS_DIFFERENTIAL_EXAMPLES for a longer run, e.g. 40 for about 800 scenarios).
@@ -261,3 +262,56 @@ def test_a_world_of_64_ranks(inprocess_pool: TrackingPool) -> None:
     assert run.verdict.kind == "ok", run.verdict.message
     assert len(run.ranks) == 64
     assert judge_run(scenario, run) == [], judge_run(scenario, run)
+
+
+# -- check --tier inprocess: failures are confirmed on the process tier -------------------------
+
+#: Correct in a real world; wrong when every rank shares one process (it compares pids): the
+#: in-process tier fails it and the process tier does not, which must be reported as a fault
+#: of pipemetrics, never as the target's failure.
+PID_SENSITIVE_TARGET = """
+import os
+import torch.distributed as dist
+from pipemetrics.reference import broadcast_tensor as _reference
+
+
+def broadcast_tensor(tensor, src_rank, group):
+    pids = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pids, os.getpid(), group=group)
+    out = _reference(tensor, src_rank, group)
+    return out + 1 if len(pids) > 1 and len(set(pids)) == 1 else out
+"""
+
+
+def test_check_on_the_inprocess_tier_confirms_failures_on_the_process_tier(
+    tmp_path: Path, bounds: Bounds
+) -> None:
+    mutant = write_mutant("moe_empty_stage_returns_early", tmp_path / "mutants")
+    code, data, output = check(
+        tmp_path, "--impl", str(mutant), "--only", "moe.no_hang", "--tier", "inprocess",
+        "--max-examples", "60", "--seed", "0", bounds=bounds,
+    )  # fmt: skip
+    assert code == 1 and data is not None, output
+    assert data["tier"] == "inprocess"
+    (entry,) = data["properties"]
+    assert entry["status"] == "fail" and entry["confirmed"] is True, entry
+    assert entry["replay"]
+
+
+def test_a_failure_only_the_inprocess_tier_sees_is_a_fault_of_pipemetrics(
+    tmp_path: Path, bounds: Bounds
+) -> None:
+    target = tmp_path / "pid_sensitive.py"
+    target.write_text(PID_SENSITIVE_TARGET)
+    code, data, output = check(
+        tmp_path, "--impl", str(target), "--only", "broadcast.roundtrip", "--tier",
+        "inprocess", "--max-examples", "10", "--seed", "0", bounds=bounds,
+    )  # fmt: skip
+    assert data is not None, output
+    (entry,) = data["properties"]
+    assert entry["status"] == "error" and entry["confirmed"] is False, entry
+    assert (
+        "the in-process tier failed this example but the process tier passes it"
+        in (entry["message"])
+    )
+    assert code == 1, output
