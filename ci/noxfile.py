@@ -79,6 +79,6 @@ def tests(session: nox.Session, megatron: str) -> None:
     )  # fmt: skip
     session.chdir(ROOT)
     session.run(
-        "python", "-m", "pytest", "-n", "2", "--dist", "loadfile", "tests", *session.posargs,
+        "python", "-m", "pytest", "-n", "2", "--dist", "loadfile", *(session.posargs or ["tests"]),
         env=_env(session),
     )  # fmt: skip
