@@ -788,11 +788,12 @@ class _LegacyMetrics:
 class _LegacyTracker:
     """megatron-core 0.13-0.17's MoE tracker (the module-global dict that
     ``moe_utils.get_moe_layer_wise_logging_tracker()`` returns, the live object) behind the
-    subset of ``MoEMetricsTracker`` this module uses. The reduction is the release's own
-    ``reduce_aux_losses_tracker_across_ranks``: its groups and its DP averaging (0.13: none;
-    0.14/0.15: AVG over data+context parallel for every name; 0.16/0.17: AVG over data parallel
-    after a ``reduce_group`` unless ``reduce_group_has_dp``). One adapter per dict, so what
-    `get_moe_metrics` keeps on it (its steady state) lives as long as the dict."""
+    subset of ``MoEMetricsTracker`` this module uses. It has no ``_sync_metrics``: `_sync`
+    writes 0.18's reduction out instead of calling the release's
+    ``reduce_aux_losses_tracker_across_ranks``, whose data-parallel step leaves ranks with
+    different values (0.13: none; 0.16/0.17: none for an entry without a ``reduce_group``, e.g.
+    ``z_loss``) or averages over data x context parallel (0.14/0.15). One adapter per dict, so
+    what `get_moe_metrics` keeps on it (its steady state) lives as long as the dict."""
 
     def __init__(self, raw: dict[str, Any], moe_utils: Any) -> None:
         self.raw = raw
@@ -825,9 +826,6 @@ class _LegacyTracker:
         every call after it look like a changed tracker)."""
         for entry in self.raw.values():
             entry["values"].zero_()
-
-    def _sync_metrics(self, names: list[str]) -> None:
-        self._moe_utils.reduce_aux_losses_tracker_across_ranks(track_names=names)
 
 
 _LEGACY_TRACKERS: list[_LegacyTracker] = []
@@ -924,11 +922,11 @@ def get_moe_metrics(
     4. ``tracker._sync_metrics(sorted(live))`` (or, on a release without that private
        method, the same reduction written out): per name, in sorted order: pipeline SUM,
        reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism). On
-       megatron-core 0.13-0.17 (the dict tracker) it is the release's own
-       ``reduce_aux_losses_tracker_across_ranks(sorted(live))``, with that release's
-       data-parallel step: none (0.13), AVG over data+context parallel for every name
-       (0.14/0.15), AVG over data parallel right after a ``reduce_group`` unless the entry's
-       ``reduce_group_has_dp`` (0.16/0.17; what ``needs_dp_avg`` means there).
+       megatron-core 0.13-0.17 (the dict tracker) it is the same reduction written out, not
+       the release's ``reduce_aux_losses_tracker_across_ranks`` (whose data-parallel step is
+       none on 0.13, none for an entry without a reduce group on 0.16/0.17, data x context on
+       0.14/0.15): the values are the same on every rank, and the same as 0.18 returns for the
+       same records. ``needs_dp_avg`` is ``not reduce_group_has_dp`` on 0.16/0.17, else True.
 
     Returns (identical on every rank), for each live name in sorted order,
     ``{name: loss_scale * sum(v) / D}`` as a Python float, where ``v`` is the reduced

@@ -17,9 +17,10 @@ The reference contract for ``get_moe_metrics`` (see `expected_moe_metrics`):
   mtp_num_layers``), zero-padded where shorter or missing, using the groups of the ranks that
   recorded the name (the router's groups when none did);
 * per-layer reduction as ``MoEMetricsTracker._sync_metrics``: SUM over the pipeline group, SUM
-  over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp);
-  on megatron-core 0.13-0.17 the data-parallel step is the release's own (the snapshots' `DpRule`:
-  none, dp x cp always, or dp right after a reduce group).
+  over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp),
+  on every release (`moe_metrics_under` models the other data-parallel steps of megatron-core
+  0.13-0.17's own reduction, the snapshots' `DpRule`: none, dp x cp always, or dp right after a
+  reduce group).
 
 Mismatched groups (a rank listed in a group that its members do not agree on) make the real
 collectives hang or mix unrelated values, so they are rejected with `ValueError`.
@@ -306,19 +307,16 @@ def check_ranks(snapshots: Mapping[int, TrackerSnapshot], places: Mapping[int, R
         raise ValueError(f"snapshots of ranks {unknown} that have no place in the world")
 
 
-def expected_moe_metrics(
-    snapshots: dict[int, TrackerSnapshot], places: dict[int, RankPlace], call: MoeCall
+def moe_metrics_under(
+    snapshots: dict[int, TrackerSnapshot],
+    places: dict[int, RankPlace],
+    call: MoeCall,
+    dp_rule: DpRule,
 ) -> dict[int, dict[str, float]]:
-    """What ``get_moe_metrics`` must return on every rank of ``places`` (see the module doc).
-
-    A rank missing from ``snapshots`` holds an empty tracker. For each live name a rank reports
-    ``loss_scale * sum(v) / D`` (``D``: ``call.num_moe_layers`` if given, else the agreed length)
-    and, with ``per_layer_logging``, ``moe/{name}_layer_{i}`` = ``loss_scale * v[i]``, where
-    ``loss_scale`` is the value the target received (``call.received_loss_scale``: a float32
-    numpy scalar or tensor holds the scale rounded to float32).
-    """
+    """`expected_moe_metrics` with the data-parallel step of ``dp_rule``: with the snapshots'
+    own rule (`snapshot_dp_rule`), what the installed release's own reduction gives on the ranks
+    that recorded every name (``tests/test_releases.py`` holds megatron-core to it)."""
     check_ranks(snapshots, places)
-    dp_rule = snapshot_dp_rule(snapshots)
     result: dict[int, dict[str, float]] = {rank: {} for rank in places}
     for name in live_names(snapshots, call):
         holders = holders_of(snapshots, name)
@@ -328,6 +326,22 @@ def expected_moe_metrics(
         for rank, values in vectors.items():
             result[rank].update(name_metrics(name, values, call))
     return result
+
+
+def expected_moe_metrics(
+    snapshots: dict[int, TrackerSnapshot], places: dict[int, RankPlace], call: MoeCall
+) -> dict[int, dict[str, float]]:
+    """What ``get_moe_metrics`` must return on every rank of ``places`` (see the module doc),
+    on every release: the data-parallel step is 0.18's (``needs_dp_avg``), so every rank of a
+    data-parallel group returns the same value.
+
+    A rank missing from ``snapshots`` holds an empty tracker. For each live name a rank reports
+    ``loss_scale * sum(v) / D`` (``D``: ``call.num_moe_layers`` if given, else the agreed length)
+    and, with ``per_layer_logging``, ``moe/{name}_layer_{i}`` = ``loss_scale * v[i]``, where
+    ``loss_scale`` is the value the target received (``call.received_loss_scale``: a float32
+    numpy scalar or tensor holds the scale rounded to float32).
+    """
+    return moe_metrics_under(snapshots, places, call, "needs_dp_avg")
 
 
 def expected_total_loss_dict(

@@ -21,7 +21,12 @@ import torch
 from pipemetrics.properties.judges import whole_run
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.oracle import NameReduction, reduced_moe_vectors
+from pipemetrics.sim.oracle import (
+    NameReduction,
+    moe_metrics_under,
+    reduced_moe_vectors,
+    snapshot_dp_rule,
+)
 from pipemetrics.sim.records import EntrySnapshot, MtpRecord, RankPlace, StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
@@ -178,12 +183,16 @@ def test_the_reference_agrees_with_the_oracle_and_reaches_the_steady_state(
             assert report.snapshot.dp_rule == RELEASE_DP_RULE[MINOR]  # type: ignore[index]
 
 
-def test_the_reference_returns_megatron_cores_own_numbers(pool: TrackingPool) -> None:
-    """The built-in target is the release's own ``report()`` / ``track_moe_metrics``: with every
+def test_megatron_cores_own_numbers_are_the_oracles_under_the_releases_dp_rule(
+    pool: TrackingPool,
+) -> None:
+    """The built-in target is the release's own ``report()`` / ``track_moe_metrics``. With every
     recorded name in ``track_names`` and no MTP layers (0.13-0.16 pre-initialise without them),
-    the reference's means and per-layer values are the release's on the stage that records
-    them. (On the dense stage Megatron's pre-initialised entries have no groups, so it skips
-    the tensor+context SUM there: the finding the reference exists for.)"""
+    its numbers on the stage that records them are the oracle's under the release's DP rule
+    (`moe_metrics_under`): the oracle models each release's reduction. (On the dense stage
+    Megatron's pre-initialised entries have no groups, so it skips the tensor+context SUM
+    there: the finding the reference exists for.) The reference returns the 0.18 rule's numbers
+    on every release (`expected_moe_metrics`), identical on every rank."""
     layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 0, 1, 1], z_loss_coeff=0.001)
     call = MoeCall(
         loss_scale=0.5, num_layers=4, track_names=[AUX, Z, GLOBAL], per_layer_logging=True
@@ -192,13 +201,18 @@ def test_the_reference_returns_megatron_cores_own_numbers(pool: TrackingPool) ->
     scenario, ours = run(pool, WORLD, layout, steps)
     assert whole_run(scenario, ours) == []
     _, theirs = run(pool, WORLD, layout, steps, target="megatron-core")
+    places = {rank: r.place for rank, r in theirs.ranks.items()}
     for step in (0, 1):
-        mine, megatron = reports(ours, step), reports(theirs, step)
+        megatron = reports(theirs, step)
+        snapshots = {rank: report.snapshot for rank, report in megatron.items()}
+        rule = snapshot_dp_rule(snapshots)
+        assert rule == RELEASE_DP_RULE[MINOR]  # type: ignore[index]
+        expected = moe_metrics_under(snapshots, places, call, rule)
         for rank in range(4, 8):
-            got, want = mine[rank].value, megatron[rank].value
-            assert set(got) == set(want), (rank, sorted(got), sorted(want))
-            for key in want:
-                assert got[key] == pytest.approx(want[key], rel=1e-6), (step, rank, key)
+            got = megatron[rank].value
+            assert set(got) == set(expected[rank]), (rank, sorted(got))
+            for key, want in expected[rank].items():
+                assert got[key] == pytest.approx(want, rel=1e-5, abs=1e-12), (step, rank, key)
 
 
 # -- 0.13-0.17: the adapter of the live dict tracker, in one process ------------------------------
