@@ -2,7 +2,10 @@
 
 Drop-in re-implementation of ``nemo_rl.models.megatron.common``: same names, parameters,
 defaults, return types and key formats. Vendor it by copying this single file; it imports only
-the standard library, ``torch`` and ``megatron.core`` (0.18/0.19 tracker API).
+the standard library, ``torch`` and ``megatron.core``: megatron-core 0.18/0.19's tracker class
+(``moe_logging.MoEMetricsTracker``) or, on 0.13-0.17, the legacy dict tracker of ``moe_utils``
+(``get_moe_layer_wise_logging_tracker``, ``reduce_aux_losses_tracker_across_ranks``), chosen at
+import by the API present, not by the version string.
 
 Collective-safety rule used throughout: anything that may differ between ranks (arguments,
 what a rank recorded, buffers it passes) is first exchanged in ONE metadata round that every
@@ -16,8 +19,10 @@ which every rank establishes together in one fixed-size ``all_reduce`` it always
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
+import inspect
 import numbers
 import re
 import struct
@@ -31,17 +36,34 @@ import torch.distributed as dist
 
 # --------------------------------------------------------------------------- version guard
 
-#: The megatron-core releases this module is tested against: the ones with the live
-#: ``MoEMetricsTracker`` (``megatron.core.transformer.moe.moe_logging``).
-SUPPORTED_MEGATRON_CORE = ">=0.18,<0.20"
-_SUPPORTED_MIN = (0, 18)  # inclusive (major, minor)
+#: The megatron-core releases this module is tested against: 0.13-0.17 (the legacy dict
+#: tracker of ``moe_utils``) and 0.18-0.19 (``moe_logging.MoEMetricsTracker``).
+SUPPORTED_MEGATRON_CORE = ">=0.13,<0.20"
+_SUPPORTED_MIN = (0, 13)  # inclusive (major, minor)
 _SUPPORTED_END = (0, 20)  # exclusive (major, minor)
-#: What this module uses from megatron-core: (module, attribute). Their presence, not the
-#: version string, decides whether it can run (a fork or a git checkout has its own version).
+_MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+#: The tracker APIs, newest first: (name, the module that marks it, what it needs). The first
+#: whose marking module imports is the one used: megatron-core 0.18+ keep the legacy
+#: ``moe_utils`` functions as deprecated shims, so their presence says nothing; the
+#: ``moe_logging`` module (new in 0.18) does.
+_TRACKER_APIS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("class", _MOE_LOGGING, ((_MOE_LOGGING, "get_moe_metrics_tracker"),)),
+    (
+        "dict",
+        _MOE_UTILS,
+        (
+            (_MOE_UTILS, "get_moe_layer_wise_logging_tracker"),
+            (_MOE_UTILS, "reduce_aux_losses_tracker_across_ranks"),
+        ),
+    ),
+)
+#: What this module uses from megatron-core besides the tracker: (module, attribute). Their
+#: presence, not the version string, decides whether it can run (a fork or a git checkout has
+#: its own version).
 _REQUIRED_API: tuple[tuple[str, str], ...] = (
     ("megatron.core.parallel_state", "model_parallel_is_initialized"),
     ("megatron.core.parallel_state", "get_pipeline_model_parallel_group"),
-    ("megatron.core.transformer.moe.moe_logging", "get_moe_metrics_tracker"),
     ("megatron.core.transformer.multi_token_prediction", "MTPLossLoggingHelper"),
 )
 
@@ -74,12 +96,26 @@ def _is_tested(version: str | None) -> bool:
     return match is not None and _SUPPORTED_MIN <= (int(match[1]), int(match[2])) < _SUPPORTED_END
 
 
-def _check_megatron_core(version: str | None) -> None:
-    """Raise :class:`UnsupportedMegatronCoreError` naming every required API that is missing;
-    warn (:class:`UntestedMegatronCoreWarning`, once) when all are present but ``version`` is
+def _tracker_api() -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The MoE tracker API to use and what it needs: the first of :data:`_TRACKER_APIS` whose
+    marking module imports (``"class"`` when none does, so the error names the newest API)."""
+    for kind, marker, needs in _TRACKER_APIS:
+        try:
+            importlib.import_module(marker)
+        except ImportError:
+            continue
+        return kind, needs
+    return _TRACKER_APIS[0][0], _TRACKER_APIS[0][2]
+
+
+def _check_megatron_core(version: str | None) -> str:
+    """Return the tracker API to use (``"class"``: 0.18+, ``"dict"``: 0.13-0.17). Raise
+    :class:`UnsupportedMegatronCoreError` naming every required API that is missing; warn
+    (:class:`UntestedMegatronCoreWarning`, once) when all are present but ``version`` is
     outside the tested range or unknown."""
     missing = []
-    for module_name, attribute in _REQUIRED_API:
+    kind, tracker_needs = _tracker_api()
+    for module_name, attribute in (*_REQUIRED_API[:2], *tracker_needs, *_REQUIRED_API[2:]):
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
@@ -100,13 +136,13 @@ def _check_megatron_core(version: str | None) -> None:
             UntestedMegatronCoreWarning,
             stacklevel=2,
         )
+    return kind
 
 
 # Before the megatron.core imports below, so a release without them fails here, by name.
-_check_megatron_core(_megatron_core_version())
+_TRACKER_API = _check_megatron_core(_megatron_core_version())
 
 from megatron.core import parallel_state  # noqa: E402
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper  # noqa: E402
 
 __all__ = [
@@ -363,27 +399,49 @@ class _EntryMeta(NamedTuple):
     device: str = "cpu"  # the type of the device its values live on ("cpu", "cuda")
 
 
+@functools.cache
+def _takes_check_initialized(getter: Callable[..., Any]) -> bool:
+    """Whether a parallel_state getter has ``check_initialized`` (megatron-core 0.13/0.14's
+    ``get_tensor_and_data_parallel_group(with_context_parallel=False)`` has not: a positional
+    ``False`` would mean ``with_context_parallel`` there)."""
+    try:
+        return "check_initialized" in inspect.signature(getter).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _get_group(name: str, **kwargs: Any) -> Any:
+    """``parallel_state.<name>(**kwargs)``, with ``check_initialized=False`` where the installed
+    release's getter takes it (keywords only: positional meanings shift between releases)."""
+    getter = getattr(parallel_state, name)
+    if _takes_check_initialized(getter):
+        kwargs = {"check_initialized": False, **kwargs}
+    return getter(**kwargs)
+
+
+#: (kind, parallel_state getter, its keywords), in match-priority order (router groups first).
+_GROUP_KINDS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("tensor_and_context", "get_tensor_and_context_parallel_group", {}),
+    ("tensor_data_context", "get_tensor_and_data_parallel_group", {"with_context_parallel": True}),
+    ("tensor_and_data", "get_tensor_and_data_parallel_group", {}),
+    ("data", "get_data_parallel_group", {}),
+    ("data_context", "get_data_parallel_group", {"with_context_parallel": True}),
+    ("context", "get_context_parallel_group", {}),
+    ("tensor", "get_tensor_model_parallel_group", {}),
+    ("pipeline", "get_pipeline_model_parallel_group", {}),
+    ("model", "get_model_parallel_group", {}),
+    ("expert_model", "get_expert_model_parallel_group", {}),
+    ("expert_tensor", "get_expert_tensor_parallel_group", {}),
+    ("expert_data", "get_expert_data_parallel_group", {}),
+)
+
+
 def _known_groups() -> list[tuple[str, Any]]:
     """This rank's parallel_state groups, in match-priority order (router groups first)."""
-    ps = parallel_state
     getters: list[tuple[str, Callable[[], Any]]] = [
-        ("tensor_and_context", lambda: ps.get_tensor_and_context_parallel_group(False)),
-        (
-            "tensor_data_context",
-            lambda: ps.get_tensor_and_data_parallel_group(False, with_context_parallel=True),
-        ),
-        ("tensor_and_data", lambda: ps.get_tensor_and_data_parallel_group(False)),
-        ("data", lambda: ps.get_data_parallel_group()),
-        ("data_context", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
-        ("context", lambda: ps.get_context_parallel_group(False)),
-        ("tensor", lambda: ps.get_tensor_model_parallel_group(False)),
-        ("pipeline", lambda: ps.get_pipeline_model_parallel_group(False)),
-        ("model", lambda: ps.get_model_parallel_group(False)),
-        ("expert_model", lambda: ps.get_expert_model_parallel_group(False)),
-        ("expert_tensor", lambda: ps.get_expert_tensor_parallel_group(False)),
-        ("expert_data", lambda: ps.get_expert_data_parallel_group(False)),
-        ("world", lambda: dist.group.WORLD),
+        (kind, functools.partial(_get_group, name, **kwargs)) for kind, name, kwargs in _GROUP_KINDS
     ]
+    getters.append(("world", lambda: dist.group.WORLD))
     found = []
     for kind, get in getters:
         try:
@@ -645,6 +703,155 @@ def _sync(tracker: Any, names: list[str]) -> None:
             dist.all_reduce(entry.values, group=dp_group, op=dist.ReduceOp.AVG)
 
 
+# --------------------------------------------------------------------------- legacy tracker
+
+
+class _LegacyEntry:
+    """One entry of megatron-core 0.13-0.17's dict tracker (``{"values", "reduce_group",
+    "avg_group"}``, plus ``"reduce_group_has_dp"`` from 0.16) seen as a 0.18 ``MetricEntry``:
+    reading and writing an attribute reads and writes the dict. ``needs_dp_avg`` is ``not
+    reduce_group_has_dp`` where the release has the flag (the mapping 0.18's deprecated
+    ``save_to_aux_losses_tracker`` shim applies), else always True (0.13-0.15 have no per-entry
+    DP setting: their reduction decides alone)."""
+
+    __slots__ = ("_entry", "_has_dp_flag")
+
+    def __init__(self, entry: dict[str, Any], has_dp_flag: bool) -> None:
+        self._entry = entry
+        self._has_dp_flag = has_dp_flag
+
+    @property
+    def values(self) -> torch.Tensor:
+        values = self._entry["values"]
+        assert isinstance(values, torch.Tensor)
+        return values
+
+    @values.setter
+    def values(self, values: torch.Tensor) -> None:
+        self._entry["values"] = values
+
+    @property
+    def reduce_group(self) -> Any:
+        return self._entry.get("reduce_group")
+
+    @reduce_group.setter
+    def reduce_group(self, group: Any) -> None:
+        self._entry["reduce_group"] = group
+
+    @property
+    def avg_group(self) -> Any:
+        return self._entry.get("avg_group")
+
+    @avg_group.setter
+    def avg_group(self, group: Any) -> None:
+        self._entry["avg_group"] = group
+
+    @property
+    def needs_dp_avg(self) -> bool:
+        return not (self._has_dp_flag and bool(self._entry.get("reduce_group_has_dp", False)))
+
+    @needs_dp_avg.setter
+    def needs_dp_avg(self, needs: bool) -> None:
+        if self._has_dp_flag:
+            self._entry["reduce_group_has_dp"] = not needs
+
+
+class _LegacyMetrics:
+    """The legacy dict tracker seen as ``MoEMetricsTracker.metrics`` (name -> entry view)."""
+
+    def __init__(self, raw: dict[str, Any], has_dp_flag: bool) -> None:
+        self._raw = raw
+        self._has_dp_flag = has_dp_flag
+
+    def __getitem__(self, name: str) -> _LegacyEntry:
+        return _LegacyEntry(self._raw[name], self._has_dp_flag)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+    def __iter__(self) -> Any:
+        return iter(list(self._raw))
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def items(self) -> list[tuple[str, _LegacyEntry]]:
+        return [(name, self[name]) for name in self._raw]
+
+    def values(self) -> list[_LegacyEntry]:
+        return [self[name] for name in self._raw]
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        return self._raw.pop(name, default)
+
+
+class _LegacyTracker:
+    """megatron-core 0.13-0.17's MoE tracker (the module-global dict that
+    ``moe_utils.get_moe_layer_wise_logging_tracker()`` returns, the live object) behind the
+    subset of ``MoEMetricsTracker`` this module uses. It has no ``_sync_metrics``: `_sync`
+    writes 0.18's reduction out instead of calling the release's
+    ``reduce_aux_losses_tracker_across_ranks``, whose data-parallel step leaves ranks with
+    different values (0.13: none; 0.16/0.17: none for an entry without a ``reduce_group``, e.g.
+    ``z_loss``) or averages over data x context parallel (0.14/0.15). One adapter per dict, so
+    what `get_moe_metrics` keeps on it (its steady state) lives as long as the dict."""
+
+    def __init__(self, raw: dict[str, Any], moe_utils: Any) -> None:
+        self.raw = raw
+        self._moe_utils = moe_utils
+        save = _attr(moe_utils, "save_to_aux_losses_tracker")
+        try:
+            params = inspect.signature(save).parameters if save is not None else {}
+        except (TypeError, ValueError):
+            params = {}
+        self.has_dp_flag = "reduce_group_has_dp" in params
+        self.metrics = _LegacyMetrics(raw, self.has_dp_flag)
+
+    def ensure_initialized(self, name: str, num_layers: int, device: Any = None) -> None:
+        """Create ``name`` as the release's ``force_initialize`` does (zeros, no groups), on
+        ``device`` (the release itself hard-codes ``"cuda"``)."""
+        if name in self.raw:
+            return
+        entry: dict[str, Any] = {
+            "values": torch.zeros(num_layers, device=device),
+            "reduce_group": None,
+            "avg_group": None,
+        }
+        if self.has_dp_flag:
+            entry["reduce_group_has_dp"] = False
+        self.raw[name] = entry
+
+    def clear(self) -> None:
+        """Zero every entry's values, keeping entries and groups (what 0.14-0.17's
+        ``clear_aux_losses_tracker`` does; 0.13's also forgets the groups, which would make
+        every call after it look like a changed tracker)."""
+        for entry in self.raw.values():
+            entry["values"].zero_()
+
+
+_LEGACY_TRACKERS: list[_LegacyTracker] = []
+
+
+def _legacy_moe_metrics_tracker() -> _LegacyTracker:
+    """The adapter of the release's live dict tracker (one per dict object)."""
+    moe_utils = importlib.import_module(_MOE_UTILS)
+    raw = moe_utils.get_moe_layer_wise_logging_tracker()
+    for tracker in _LEGACY_TRACKERS:
+        if tracker.raw is raw:
+            return tracker
+    tracker = _LegacyTracker(raw, moe_utils)
+    _LEGACY_TRACKERS[:] = [tracker]
+    return tracker
+
+
+#: Megatron's MoE metrics tracker: 0.18+'s ``MoEMetricsTracker`` singleton, or the adapter of
+#: 0.13-0.17's dict tracker (`_LegacyTracker`), as the installed release has.
+get_moe_metrics_tracker: Callable[[], Any] = (
+    importlib.import_module(_MOE_LOGGING).get_moe_metrics_tracker
+    if _TRACKER_API == "class"
+    else _legacy_moe_metrics_tracker
+)
+
+
 def _describe_entries(tracker: Any, known: list[tuple[str, Any]]) -> dict[str, tuple[Any, ...]]:
     """This rank's tracker entries as the metadata round sends them (placeholders left out):
     the fields of an `_EntryMeta`, as a plain tuple."""
@@ -714,7 +921,12 @@ def get_moe_metrics(
        as missing.
     4. ``tracker._sync_metrics(sorted(live))`` (or, on a release without that private
        method, the same reduction written out): per name, in sorted order: pipeline SUM,
-       reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism).
+       reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism). On
+       megatron-core 0.13-0.17 (the dict tracker) it is the same reduction written out, not
+       the release's ``reduce_aux_losses_tracker_across_ranks`` (whose data-parallel step is
+       none on 0.13, none for an entry without a reduce group on 0.16/0.17, data x context on
+       0.14/0.15): the values are the same on every rank, and the same as 0.18 returns for the
+       same records. ``needs_dp_avg`` is ``not reduce_group_has_dp`` on 0.16/0.17, else True.
 
     Returns (identical on every rank), for each live name in sorted order,
     ``{name: loss_scale * sum(v) / D}`` as a Python float, where ``v`` is the reduced

@@ -43,8 +43,11 @@ import re
 from typing import Any
 
 import torch
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer import multi_token_prediction
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+from pipemetrics.sim.trackers import legacy_has_dp_flag, moe_logging
 
 _MTP_LOSS_TAG = re.compile(r"mtp_(\d+) loss")
 _MTP_RATE_TAG = re.compile(r"mtp_(\d+)_acceptance_rate")
@@ -87,8 +90,14 @@ def get_moe_metrics(
     *,
     num_moe_layers: int | None = None,
 ) -> dict[str, Any]:
-    """``get_moe_metrics_tracker().report(...)`` as Megatron-LM's ``training_log`` calls it."""
-    tracker = get_moe_metrics_tracker()
+    """``get_moe_metrics_tracker().report(...)`` as Megatron-LM's ``training_log`` calls it
+    (0.13-0.17: ``moe_utils.track_moe_metrics(...)``, see `legacy_track_moe_metrics`)."""
+    if moe_logging is None:
+        return legacy_track_moe_metrics(
+            loss_scale, total_loss_dict, per_layer_logging, num_layers, mtp_num_layers,
+            track_names, num_moe_layers,
+        )  # fmt: skip
+    tracker = moe_logging.get_moe_metrics_tracker()
     force_initialize = num_layers is not None
     if num_layers is None:
         lengths = [entry.values.numel() for entry in tracker.metrics.values()]
@@ -107,6 +116,63 @@ def get_moe_metrics(
         moe_layer_freq=moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers),
         mtp_num_layers=mtp_num_layers,
         total_loss_dict=total_loss_dict,
+    )
+    return dict(writer.scalars)
+
+
+def legacy_track_moe_metrics(
+    loss_scale: float,
+    total_loss_dict: dict[str, Any] | None,
+    per_layer_logging: bool,
+    num_layers: int | None,
+    mtp_num_layers: int | None,
+    track_names: list[str] | None,
+    num_moe_layers: int | None,
+) -> dict[str, Any]:
+    """megatron-core 0.13-0.17's ``track_moe_metrics(...)`` as their ``training_log`` calls it.
+
+    Their ``force_initialize`` creates a missing name with ``torch.zeros(n, device="cuda")``,
+    which fails on a CPU-only machine; there the adapter creates exactly that entry first (zeros,
+    no groups, ``reduce_group_has_dp=False`` where the release has the flag), of the release's
+    length: ``num_layers`` up to 0.16 (which leaves out the MTP layers), ``num_layers +
+    mtp_num_layers`` from 0.17 (detected by ``multi_token_prediction.process_mtp_loss``, new in
+    0.17). Everything else is the release's code, including its quirks (0.13 logs every entry of
+    the tracker, reduced or not).
+    """
+    tracker: dict[str, dict[str, Any]] = moe_utils.get_moe_layer_wise_logging_tracker()
+    force_initialize = num_layers is not None
+    if num_layers is None:
+        lengths = [entry["values"].numel() for entry in tracker.values()]
+        if not lengths:
+            return {}
+        num_layers = max(lengths) - (mtp_num_layers or 0)
+    elif track_names and not torch.cuda.is_available():
+        length = num_layers
+        if hasattr(multi_token_prediction, "process_mtp_loss"):
+            length += mtp_num_layers or 0
+        for name in track_names:
+            if name not in tracker:
+                entry: dict[str, Any] = {
+                    "values": torch.zeros(length),
+                    "reduce_group": None,
+                    "avg_group": None,
+                }
+                if legacy_has_dp_flag():
+                    entry["reduce_group_has_dp"] = False
+                tracker[name] = entry
+    writer = ScalarCollector()
+    moe_utils.track_moe_metrics(
+        loss_scale,
+        0,
+        writer,
+        None,
+        total_loss_dict,
+        per_layer_logging,
+        force_initialize=force_initialize,
+        track_names=None if track_names is None else list(track_names),
+        num_layers=num_layers,
+        moe_layer_freq=moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers),
+        mtp_num_layers=mtp_num_layers,
     )
     return dict(writer.scalars)
 

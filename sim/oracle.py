@@ -17,7 +17,10 @@ The reference contract for ``get_moe_metrics`` (see `expected_moe_metrics`):
   mtp_num_layers``), zero-padded where shorter or missing, using the groups of the ranks that
   recorded the name (the router's groups when none did);
 * per-layer reduction as ``MoEMetricsTracker._sync_metrics``: SUM over the pipeline group, SUM
-  over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp).
+  over the reduce group, AVG over the avg group, AVG over the data-parallel group (without cp),
+  on every release (`moe_metrics_under` models the other data-parallel steps of megatron-core
+  0.13-0.17's own reduction, the snapshots' `DpRule`: none, dp x cp always, or dp right after a
+  reduce group).
 
 Mismatched groups (a rank listed in a group that its members do not agree on) make the real
 collectives hang or mix unrelated values, so they are rejected with `ValueError`.
@@ -33,6 +36,7 @@ from typing import Literal
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.records import (
     ROUTER_REDUCTION,
+    DpRule,
     EntrySnapshot,
     MtpSnapshot,
     RankPlace,
@@ -251,19 +255,36 @@ def reduced_moe_vectors(
     places: Mapping[int, RankPlace],
     reduction: NameReduction,
     length: int,
+    dp_rule: DpRule = "needs_dp_avg",
 ) -> Vectors:
-    """Every rank's vector of one name after the four ``_sync_metrics`` stages."""
+    """Every rank's vector of one name after the release's reduction stages: pipeline SUM,
+    reduce group SUM, avg group AVG, and the data-parallel step ``dp_rule`` says (0.18+
+    ``_sync_metrics``: dp AVG last with ``needs_dp_avg``; 0.16/0.17: dp AVG right after a
+    reduce group when ``needs_dp_avg``; 0.14/0.15: dp x cp AVG last, always; 0.13: none)."""
     vectors: Vectors = {
         rank: pad(holders[rank].values if rank in holders else [], length) for rank in places
     }
     vectors = reduce_stage(vectors, role_groups("pp", places), "sum")
     if reduction.reduce is not None:
         vectors = reduce_stage(vectors, reduction.reduce, "sum")
+        if dp_rule == "after_reduce_group" and reduction.needs_dp_avg:
+            vectors = reduce_stage(vectors, role_groups("dp", places), "avg")
     if reduction.avg is not None:
         vectors = reduce_stage(vectors, reduction.avg, "avg")
-    if reduction.needs_dp_avg:
+    if dp_rule == "needs_dp_avg" and reduction.needs_dp_avg:
         vectors = reduce_stage(vectors, role_groups("dp", places), "avg")
+    elif dp_rule == "always_dp_cp":
+        vectors = reduce_stage(vectors, role_groups("dp_cp", places), "avg")
     return vectors
+
+
+def snapshot_dp_rule(snapshots: Mapping[int, TrackerSnapshot]) -> DpRule:
+    """The DP rule the snapshots were recorded under (0.18+'s when there are none); raises
+    `ValueError` when ranks disagree (one release per world)."""
+    rules = {snap.dp_rule for snap in snapshots.values()}
+    if len(rules) > 1:
+        raise ValueError(f"snapshots recorded under different DP rules {sorted(rules)}")
+    return rules.pop() if rules else "needs_dp_avg"
 
 
 def name_metrics(name: str, values: Sequence[float], call: MoeCall) -> dict[str, float]:
@@ -286,10 +307,33 @@ def check_ranks(snapshots: Mapping[int, TrackerSnapshot], places: Mapping[int, R
         raise ValueError(f"snapshots of ranks {unknown} that have no place in the world")
 
 
+def moe_metrics_under(
+    snapshots: dict[int, TrackerSnapshot],
+    places: dict[int, RankPlace],
+    call: MoeCall,
+    dp_rule: DpRule,
+) -> dict[int, dict[str, float]]:
+    """`expected_moe_metrics` with the data-parallel step of ``dp_rule``: with the snapshots'
+    own rule (`snapshot_dp_rule`), what the installed release's own reduction gives on the ranks
+    that recorded every name (``tests/test_releases.py`` holds megatron-core to it)."""
+    check_ranks(snapshots, places)
+    result: dict[int, dict[str, float]] = {rank: {} for rank in places}
+    for name in live_names(snapshots, call):
+        holders = holders_of(snapshots, name)
+        reduction = name_reduction(name, holders, places)
+        length = agreed_length(holders, name, call)
+        vectors = reduced_moe_vectors(holders, places, reduction, length, dp_rule)
+        for rank, values in vectors.items():
+            result[rank].update(name_metrics(name, values, call))
+    return result
+
+
 def expected_moe_metrics(
     snapshots: dict[int, TrackerSnapshot], places: dict[int, RankPlace], call: MoeCall
 ) -> dict[int, dict[str, float]]:
-    """What ``get_moe_metrics`` must return on every rank of ``places`` (see the module doc).
+    """What ``get_moe_metrics`` must return on every rank of ``places`` (see the module doc),
+    on every release: the data-parallel step is 0.18's (``needs_dp_avg``), so every rank of a
+    data-parallel group returns the same value.
 
     A rank missing from ``snapshots`` holds an empty tracker. For each live name a rank reports
     ``loss_scale * sum(v) / D`` (``D``: ``call.num_moe_layers`` if given, else the agreed length)
@@ -297,16 +341,7 @@ def expected_moe_metrics(
     ``loss_scale`` is the value the target received (``call.received_loss_scale``: a float32
     numpy scalar or tensor holds the scale rounded to float32).
     """
-    check_ranks(snapshots, places)
-    result: dict[int, dict[str, float]] = {rank: {} for rank in places}
-    for name in live_names(snapshots, call):
-        holders = holders_of(snapshots, name)
-        reduction = name_reduction(name, holders, places)
-        length = agreed_length(holders, name, call)
-        vectors = reduced_moe_vectors(holders, places, reduction, length)
-        for rank, values in vectors.items():
-            result[rank].update(name_metrics(name, values, call))
-    return result
+    return moe_metrics_under(snapshots, places, call, "needs_dp_avg")
 
 
 def expected_total_loss_dict(

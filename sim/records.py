@@ -7,8 +7,9 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
+import re
 from importlib import metadata
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -53,11 +54,27 @@ class MtpSnapshot(Frozen):
     avg_group: Ranks | None = None
 
 
+DpRule = Literal["needs_dp_avg", "after_reduce_group", "always_dp_cp", "none"]
+"""How the installed megatron-core's MoE reduction averages over data parallelism, after the
+pipeline SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG of every release:
+
+* ``needs_dp_avg`` (0.18, 0.19: ``MoEMetricsTracker._sync_metrics``): AVG over dp (without cp)
+  last, for entries with ``needs_dp_avg``;
+* ``after_reduce_group`` (0.16, 0.17): AVG over dp right after the ``reduce_group`` SUM (before
+  the ``avg_group`` AVG), only for entries with a ``reduce_group`` and ``needs_dp_avg`` (``not
+  reduce_group_has_dp``): an entry without a ``reduce_group`` stays rank-local over dp;
+* ``always_dp_cp`` (0.14, 0.15): AVG over dp x cp last, for every entry;
+* ``none`` (0.13): no DP step at all.
+"""
+
+
 class TrackerSnapshot(Frozen):
-    """Both trackers of one rank; ``moe`` keeps the rank's insertion order."""
+    """Both trackers of one rank; ``moe`` keeps the rank's insertion order. ``dp_rule``: the
+    reduction the release the rank ran records for (`DpRule`)."""
 
     moe: dict[str, EntrySnapshot] = Field(default_factory=dict)
     mtp: MtpSnapshot | None = None
+    dp_rule: DpRule = "needs_dp_avg"
 
 
 class MoeRecord(Frozen):
@@ -117,8 +134,9 @@ defaults (`router_reduction` picks the installed release's)."""
 def router_reduction() -> dict[str, Reduction]:
     """(reduce group, avg group, needs_dp_avg) per name as the installed ``TopKRouter`` records.
 
-    megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.18
-    records it without groups (`Z_LOSS_WITHOUT_GROUPS`). The router's code is the only place
+    megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.13 to
+    0.18 record it without groups (`Z_LOSS_WITHOUT_GROUPS`; 0.13 records ``load_balancing_loss``
+    without a reduce group when tensor x context parallelism is 1, numerically the same). The router's code is the only place
     that says so, and importing it costs seconds, so the installed release decides (read from
     the package metadata, without importing megatron).
     """
@@ -126,7 +144,9 @@ def router_reduction() -> dict[str, Reduction]:
         installed = metadata.version("megatron-core")
     except metadata.PackageNotFoundError:
         return ROUTER_REDUCTION
-    return Z_LOSS_WITHOUT_GROUPS if installed.startswith("0.18.") else ROUTER_REDUCTION
+    match = re.match(r"(\d+)\.(\d+)", installed)
+    older = match is not None and (int(match[1]), int(match[2])) < (0, 19)
+    return Z_LOSS_WITHOUT_GROUPS if older else ROUTER_REDUCTION
 
 
 def router_record(

@@ -7,15 +7,20 @@ nature stays contained: every scenario starts from `reset_trackers`.
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe import moe_logging
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.sim.records import (
+    DpRule,
     EntrySnapshot,
     MoeRecord,
     MtpRecord,
@@ -25,6 +30,71 @@ from pipemetrics.sim.records import (
 )
 
 GroupsByRole = Mapping[str, dist.ProcessGroup]
+
+
+def _class_tracker_module() -> ModuleType | None:
+    """``megatron.core.transformer.moe.moe_logging`` (0.18+: ``MoEMetricsTracker``), or
+    ``None`` on 0.13-0.17, whose MoE tracker is the dict of ``moe_utils``."""
+    try:
+        return importlib.import_module("megatron.core.transformer.moe.moe_logging")
+    except ImportError:
+        return None
+
+
+moe_logging = _class_tracker_module()
+
+
+def legacy_tracker() -> bool:
+    """Whether the installed release keeps MoE metrics in 0.13-0.17's dict tracker (feature
+    detection: 0.18+ keep the dict functions as deprecated shims, so the new module decides)."""
+    return moe_logging is None
+
+
+def legacy_has_dp_flag() -> bool:
+    """Whether the legacy ``save_to_aux_losses_tracker`` takes ``reduce_group_has_dp``
+    (0.16/0.17)."""
+    try:
+        params = inspect.signature(moe_utils.save_to_aux_losses_tracker).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return "reduce_group_has_dp" in params
+
+
+def moe_dp_rule() -> DpRule:
+    """How the installed release's MoE reduction averages over data parallelism (see
+    `pipemetrics.sim.records.DpRule`), by feature: 0.18+ has ``moe_logging``; 0.16/0.17's
+    ``save_to_aux_losses_tracker`` takes ``reduce_group_has_dp``; 0.14/0.15's router has
+    ``attach_and_log_load_balancing_loss``; 0.13 has none of these."""
+    if not legacy_tracker():
+        return "needs_dp_avg"
+    if legacy_has_dp_flag():
+        return "after_reduce_group"
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    if hasattr(TopKRouter, "attach_and_log_load_balancing_loss"):
+        return "always_dp_cp"
+    return "none"
+
+
+def moe_tracker_entries() -> dict[str, tuple[torch.Tensor, Any, Any, bool]]:
+    """This rank's MoE tracker as ``{name: (values, reduce_group, avg_group, needs_dp_avg)}``
+    in insertion order, from either tracker API (legacy: ``needs_dp_avg`` is ``not
+    reduce_group_has_dp``, True on releases without the flag)."""
+    if moe_logging is not None:
+        return {
+            name: (e.values, e.reduce_group, e.avg_group, bool(e.needs_dp_avg))
+            for name, e in moe_logging.get_moe_metrics_tracker().metrics.items()
+        }
+    raw: dict[str, dict[str, Any]] = moe_utils.get_moe_layer_wise_logging_tracker()
+    return {
+        name: (
+            e["values"],
+            e.get("reduce_group"),
+            e.get("avg_group"),
+            not bool(e.get("reduce_group_has_dp", False)),
+        )
+        for name, e in raw.items()
+    }
 
 
 @contextmanager
@@ -55,7 +125,10 @@ def cpu_current_device() -> Iterator[None]:
 
 def reset_trackers() -> None:
     """Forget every MoE and MTP metric entry of this process."""
-    moe_logging.destroy_moe_metrics_tracker()
+    if moe_logging is not None:
+        moe_logging.destroy_moe_metrics_tracker()
+    else:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
     MTPLossLoggingHelper.tracker = {}
 
 
@@ -68,7 +141,24 @@ def _group(groups: GroupsByRole, role: str | None) -> dist.ProcessGroup | None:
 
 
 def apply_moe_records(records: list[MoeRecord], groups: GroupsByRole) -> None:
-    """Feed records through the real ``MoEMetricsTracker.record``, in order."""
+    """Feed records through the real ``MoEMetricsTracker.record``, in order (0.13-0.17: the
+    real ``save_to_aux_losses_tracker``, with ``reduce_group_has_dp = not needs_dp_avg`` where
+    it takes the flag, as 0.18's deprecated shim maps it)."""
+    if moe_logging is None:
+        has_dp = {"reduce_group_has_dp": False} if legacy_has_dp_flag() else {}
+        for rec in records:
+            if has_dp:
+                has_dp["reduce_group_has_dp"] = not rec.needs_dp_avg
+            moe_utils.save_to_aux_losses_tracker(
+                rec.name,
+                torch.tensor(rec.value, dtype=torch.float32),
+                rec.layer_number,
+                rec.num_layers,
+                reduce_group=_group(groups, rec.reduce),
+                avg_group=_group(groups, rec.avg),
+                **has_dp,
+            )
+        return
     tracker = moe_logging.get_moe_metrics_tracker()
     for rec in records:
         tracker.record(
@@ -151,7 +241,8 @@ def _floats(values: object) -> list[float]:
 
 
 def snapshot() -> TrackerSnapshot:
-    """Both trackers of this rank as plain data (MoE entries in insertion order).
+    """Both trackers of this rank as plain data (MoE entries in insertion order), with the
+    installed release's DP averaging rule (`moe_dp_rule`).
 
     The MTP tracker in megatron-core 0.19's layout (``loss_values``; missing counts read as
     Megatron's defaults, 0 correct / 1 total) or 0.18's (``values``: the loss, no counts, so
@@ -159,12 +250,12 @@ def snapshot() -> TrackerSnapshot:
     """
     moe = {
         name: EntrySnapshot(
-            values=_floats(entry.values),
-            reduce_group=_ranks(entry.reduce_group),
-            avg_group=_ranks(entry.avg_group),
-            needs_dp_avg=bool(entry.needs_dp_avg),
+            values=_floats(values),
+            reduce_group=_ranks(reduce_group),
+            avg_group=_ranks(avg_group),
+            needs_dp_avg=needs_dp_avg,
         )
-        for name, entry in moe_logging.get_moe_metrics_tracker().metrics.items()
+        for name, (values, reduce_group, avg_group, needs_dp_avg) in moe_tracker_entries().items()
     }
     tracker = MTPLossLoggingHelper.tracker
     mtp = None
@@ -186,4 +277,4 @@ def snapshot() -> TrackerSnapshot:
         )
     elif "values" in tracker:
         mtp = MtpSnapshot(loss=_floats(tracker["values"]), **groups)
-    return TrackerSnapshot(moe=moe, mtp=mtp)
+    return TrackerSnapshot(moe=moe, mtp=mtp, dp_rule=moe_dp_rule())

@@ -15,13 +15,19 @@ from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import MtpRecord, StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
-from pipemetrics.sim.trackers import mtp_counts_acceptance
+from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
 
 DEADLINE_S = 60.0
 AUX = "load_balancing_loss"
+
+
+CLASS_TRACKER_ONLY = pytest.mark.skipif(
+    legacy_tracker(),
+    reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker; router mode is 0.18+ only)",
+)
 
 
 def run(
@@ -300,6 +306,7 @@ def collectives(result: WorldRun, step: int) -> dict[int, list[tuple[Any, ...]]]
 AGREEMENT = ("all_reduce", (0, 1, 2, 3), (("tensor", "torch.int64[9]@cpu"), ("op", "MAX")))
 
 
+@CLASS_TRACKER_ONLY
 def test_steady_state_adds_one_fixed_size_collective_to_megatrons_report(
     pool: TrackingPool,
 ) -> None:
@@ -400,6 +407,7 @@ get_moe_metrics = module.get_moe_metrics
 '''
 
 
+@CLASS_TRACKER_ONLY
 def test_without_the_private_sync_method_the_reduction_is_the_same(
     pool: TrackingPool, tmp_path: Path
 ) -> None:

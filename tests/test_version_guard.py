@@ -49,12 +49,12 @@ def test_installed_version_is_tested_and_imports_silently() -> None:
         warnings.simplefilter("error")
         module = exec_reference()
     assert callable(module.get_moe_metrics)
-    assert module.SUPPORTED_MEGATRON_CORE == ">=0.18,<0.20"
+    assert module.SUPPORTED_MEGATRON_CORE == ">=0.13,<0.20"
     assert module._is_tested(metadata.version("megatron-core"))
 
 
 @pytest.mark.parametrize(
-    "found", ["0.18.0", "0.18.2", "0.19.0", "0.19.2", "0.19.2+abc123", "0.18.0rc1"]
+    "found", ["0.13.1", "0.15.3", "0.17.1", "0.18.2", "0.19.0", "0.19.2+abc123", "0.18.0rc1"]
 )
 def test_tested_versions_import_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, found: str
@@ -66,7 +66,7 @@ def test_tested_versions_import_without_a_warning(
 
 
 @pytest.mark.parametrize(
-    "found", ["0.20.0", "0.20.0rc0", "0.21.0.dev0+g1a2b3c", "1.0.0", "garbage", "0.17.1"]
+    "found", ["0.20.0", "0.20.0rc0", "0.21.0.dev0+g1a2b3c", "1.0.0", "garbage", "0.12.3"]
 )
 def test_an_untested_version_with_every_api_warns_once_and_carries_on(
     monkeypatch: pytest.MonkeyPatch, found: str
@@ -81,7 +81,7 @@ def test_an_untested_version_with_every_api_warns_once_and_carries_on(
     untested = [w for w in seen if type(w.message).__name__ == "UntestedMegatronCoreWarning"]
     assert len(untested) == 1, [str(w.message) for w in seen]
     assert str(untested[0].message).startswith(
-        f"pipemetrics reference is tested with megatron-core >=0.18,<0.20; found {found}"
+        f"pipemetrics reference is tested with megatron-core >=0.13,<0.20; found {found}"
     )
 
 
@@ -108,20 +108,42 @@ def test_version_falls_back_to_package_info(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_missing_api_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What megatron-core 0.13-0.17 look like to it: no moe_logging tracker (a tested version
-    string changes nothing: the APIs decide)."""
-    from megatron.core.transformer.moe import moe_logging
+    """The installed release without the tracker function its tracker API needs (a tested
+    version string changes nothing: the APIs decide)."""
+    import importlib
 
+    try:
+        module = importlib.import_module("megatron.core.transformer.moe.moe_logging")
+        missing = "megatron.core.transformer.moe.moe_logging.get_moe_metrics_tracker"
+        monkeypatch.delattr(module, "get_moe_metrics_tracker")
+    except ImportError:  # 0.13-0.17: the dict tracker of moe_utils
+        from megatron.core.transformer.moe import moe_utils
+
+        missing = "megatron.core.transformer.moe.moe_utils.get_moe_layer_wise_logging_tracker"
+        monkeypatch.delattr(moe_utils, "get_moe_layer_wise_logging_tracker")
     monkeypatch.setattr(metadata, "version", fake_version("0.19.2"))
-    monkeypatch.delattr(moe_logging, "get_moe_metrics_tracker")
     with pytest.raises(ImportError) as info:
         exec_reference()
     # the exec'd module defines its own class; an ImportError, so `except ImportError` still works
     assert type(info.value).__name__ == "UnsupportedMegatronCoreError"
     assert str(info.value).startswith(
-        "pipemetrics reference needs megatron.core.transformer.moe.moe_logging."
-        "get_moe_metrics_tracker, missing in the installed megatron-core (0.19.2)"
+        f"pipemetrics reference needs {missing}, missing in the installed megatron-core (0.19.2)"
     ), str(info.value)
+
+
+def test_the_tracker_api_is_chosen_by_the_module_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``moe_logging`` (what 0.13-0.17 look like) the dict tracker of ``moe_utils`` is
+    used, whatever the version string says; with it, the class tracker (0.18+ keep the dict
+    functions as deprecated shims, so their presence decides nothing)."""
+    import sys
+
+    monkeypatch.setattr(metadata, "version", fake_version("0.19.2"))
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.moe_logging", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        module = exec_reference()
+    assert module._TRACKER_API == "dict"
+    assert module.get_moe_metrics_tracker is module._legacy_moe_metrics_tracker
 
 
 def test_a_missing_module_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
