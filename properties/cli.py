@@ -67,6 +67,13 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
 
+    prove = sub.add_parser(
+        "prove", help="run every structural case up to a bound and write a certificate"
+    )
+    from pipemetrics.properties.prove_command import add_prove_arguments
+
+    add_prove_arguments(prove)
+
     vendor = sub.add_parser("vendor", help="write the reference as one file to vendor")
     vendor.add_argument("dest", help="file (or directory) to write the reference module to")
     return parser
@@ -103,6 +110,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from pipemetrics.sim.bench import run_bench
 
         return run_bench(args)
+    if args.command == "prove":
+        from pipemetrics.properties.prove_command import prove_main
+
+        return prove_main(args)
     if args.command == "vendor":
         from pipemetrics.properties.vendor import vendor_main
 

@@ -252,9 +252,12 @@ def moe_loss_scale(scenario: Scenario, run: WorldRun) -> list[str]:
 
 @_guarded
 def moe_rank_agreement(scenario: Scenario, run: WorldRun) -> list[str]:
-    """Every rank returns the same dict (same keys, equal values)."""
+    """Every rank returns the same dict (same keys, equal values) from ``get_moe_metrics``
+    (``get_mtp_metrics`` returns {} off the MTP ranks by design)."""
     problems = []
     for view in call_views(scenario, run):
+        if not isinstance(view.spec, MoeCall):
+            continue
         values = {r: rep.value for r, rep in sorted(view.reports.items())}
         if not values:
             continue

@@ -14,6 +14,7 @@ the same on tensor-parallel peers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 
@@ -68,34 +69,54 @@ def token_counts(draw: st.DrawFn) -> tuple[float, float]:
     return float(correct), float(total)
 
 
-@st.composite
-def _rank_moe_records(
-    draw: st.DrawFn, setup: Setup, stage: int, values: st.SearchStrategy[float]
-) -> list[MoeRecord]:
+MoeValue = Callable[[int, int, int, str], float]
+"""(rank, microbatch, tracker slot, name) -> the loss a router records."""
+MtpValue = Callable[[int, int, int], tuple[float, float, float]]
+"""(rank, microbatch, MTP layer) -> (loss, correct, total) the MTP layer records."""
+
+
+def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> StepRecords:
+    """One training step's records on every rank of ``setup``, each value from the callbacks
+    (called in the order a step records; a name whose loss is NaN by construction gets NaN
+    without asking). Tensor-parallel peers share the MTP records of the lowest of them."""
     layout = setup.layout
     reduction = router_reduction()
-    records = []
-    for _ in range(layout.microbatches):
-        for slot in setup.router_slots(stage):
-            for name in layout.live_track_names:
-                value = math.nan if nan_recorded(setup, name) else draw(values)
-                records.append(router_record(name, slot, value, layout.track_length, reduction))
-    return records
+    moe: dict[int, list[MoeRecord]] = {}
+    mtp: dict[int, list[MtpRecord]] = {}
+    for rank, place in sorted(places_for(setup.world).items()):
+        stage = place.pp_rank
+        records = [
+            router_record(
+                name,
+                slot,
+                math.nan if nan_recorded(setup, name) else moe_value(rank, microbatch, slot, name),
+                layout.track_length,
+                reduction,
+            )
+            for microbatch in range(layout.microbatches)
+            for slot in setup.router_slots(stage)
+            for name in layout.live_track_names
+        ]
+        if records:
+            moe[rank] = records
+        if setup.records_mtp_loss(stage):
+            tp_root = min(place.groups["tp"])
+            mtp[rank] = mtp[tp_root] if tp_root in mtp else _mtp_records(setup, rank, mtp_value)
+    return StepRecords(moe=moe, mtp=mtp)
 
 
-@st.composite
-def _mtp_records(draw: st.DrawFn, setup: Setup) -> list[MtpRecord]:
-    """One rank's MTP records of a step (shared by its tensor-parallel peers)."""
+def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord]:
+    """One rank's MTP records of a step."""
     layout = setup.layout
     records = []
-    for _ in range(layout.microbatches):
+    for microbatch in range(layout.microbatches):
         for k in range(layout.mtp_num_layers):
-            correct, total = draw(token_counts())
+            loss, correct, total = mtp_value(rank, microbatch, k)
             records.append(
                 MtpRecord(
                     layer_number=k,
                     num_layers=layout.mtp_num_layers,
-                    loss=draw(mtp_losses()) if total else 0.0,  # no valid token: loss 0
+                    loss=loss if total else 0.0,  # no valid token: loss 0
                     correct=correct,
                     total=total,
                     avg=MTP_AVG_ROLE,
@@ -109,15 +130,10 @@ def synthetic_records(
     draw: st.DrawFn, setup: Setup, *, values: st.SearchStrategy[float] | None = None
 ) -> StepRecords:
     """One training step's records on every rank of ``setup`` (see the module doc)."""
-    values = values if values is not None else recorded_values()
-    moe: dict[int, list[MoeRecord]] = {}
-    mtp: dict[int, list[MtpRecord]] = {}
-    for rank, place in sorted(places_for(setup.world).items()):
-        stage = place.pp_rank
-        records = draw(_rank_moe_records(setup, stage, values))
-        if records:
-            moe[rank] = records
-        if setup.records_mtp_loss(stage):
-            tp_root = min(place.groups["tp"])
-            mtp[rank] = mtp[tp_root] if tp_root in mtp else draw(_mtp_records(setup))
-    return StepRecords(moe=moe, mtp=mtp)
+    drawn = values if values is not None else recorded_values()
+
+    def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:
+        correct, total = draw(token_counts())
+        return (draw(mtp_losses()) if total else 0.0), correct, total
+
+    return step_records(setup, lambda *_: draw(drawn), mtp_value)

@@ -1,0 +1,166 @@
+"""The ``pipemetrics prove`` command: arguments, the run or the merge, the printed summary."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from pipemetrics.properties.prove import (
+    Bound,
+    Certificate,
+    MergeError,
+    merge,
+    progress_bar,
+    prove,
+)
+from pipemetrics.sim.pool import TIERS
+from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
+from pipemetrics.sim.scenario import DEFAULT_TARGET
+from pipemetrics.sim.target import TargetLoadError, resolve_builtin
+
+EXIT_PROVEN, EXIT_DISPROVEN, EXIT_USAGE = 0, 1, 2
+
+
+def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
+    default = Bound()
+    parser.add_argument(
+        "--impl",
+        default=DEFAULT_TARGET,
+        metavar="TARGET",
+        help="dotted module name or path to a .py file (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-pp",
+        type=int,
+        default=default.max_pp,
+        metavar="N",
+        help="largest pipeline size (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-world",
+        type=int,
+        default=default.max_world,
+        metavar="N",
+        help="largest world (default: %(default)s ranks)",
+    )
+    parser.add_argument(
+        "--parallel-sizes",
+        default=",".join(map(str, default.parallel_sizes)),
+        metavar="A,B",
+        help="sizes tp, cp and dp each take (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=default.steps,
+        metavar="N",
+        help="training steps per case (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--shard",
+        default="1/1",
+        metavar="K/N",
+        help="run the K-th of N deterministic shards of the cases",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="CERT",
+        help="merge shard certificates: check they cover the bound exactly once",
+    )
+    parser.add_argument(
+        "--json",
+        dest="json_out",
+        default=None,
+        metavar="FILE",
+        help="write the certificate as JSON",
+    )
+    parser.add_argument(
+        "--tier", choices=TIERS, default="inprocess", help="where cases run (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--report-dir",
+        default="pipemetrics-report",
+        metavar="DIR",
+        help="where the failing case's scenario file goes (default: %(default)s)",
+    )
+    parser.add_argument("--load-timeout", type=float, default=DEFAULT_LOAD_TIMEOUT_S,
+                        metavar="S", help="deadline for importing the target first")  # fmt: skip
+
+
+def _shard(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard: expected K/N such as 2/4, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard: K must be between 1 and N, got {text!r}")
+    return k, n
+
+
+def prove_main(args: argparse.Namespace) -> int:
+    try:
+        if args.merge:
+            certificate = merge([_load(path) for path in args.merge])
+        else:
+            bound = Bound(
+                max_pp=args.max_pp, max_world=args.max_world, steps=args.steps,
+                parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
+            )  # fmt: skip
+            shard = _shard(args.shard)
+            target = resolve_builtin(args.impl)
+            missing = {"get_moe_metrics", "get_mtp_metrics"} - set(
+                probe_target(target, args.load_timeout)
+            )
+            if missing:
+                raise ValueError(
+                    f"--impl {args.impl}: the cases call {', '.join(sorted(missing))}, which "
+                    "the target does not define"
+                )
+            certificate = prove(
+                args.impl, bound, shard=shard, tier=args.tier,
+                report_dir=Path(args.report_dir), progress=progress_bar(),
+            )  # fmt: skip
+    except (ValueError, ValidationError, MergeError, TargetLoadError, OSError) as exc:
+        sys.stderr.write(f"pipemetrics prove: {exc}\n")
+        return EXIT_USAGE
+    _print(certificate)
+    if args.json_out:
+        Path(args.json_out).write_text(certificate.model_dump_json(indent=2) + "\n")
+    return EXIT_PROVEN if certificate.proven else EXIT_DISPROVEN
+
+
+def _load(path: str) -> Certificate:
+    try:
+        return Certificate.model_validate_json(Path(path).read_text(encoding="utf-8"))
+    except ValidationError as exc:
+        raise MergeError(f"{path}: not a prove certificate ({exc.error_count()} errors)") from exc
+
+
+def _print(cert: Certificate) -> None:
+    out = sys.stdout
+    k, n = cert.shard
+    total = cert.cases.get("total", 0)
+    scope = f"shard {k}/{n}: " if n > 1 else ""
+    out.write(
+        f"{cert.target}: {'PROVEN' if cert.proven else 'DISPROVEN'} for {scope}{total} of the "
+        f"{cert.cases_in_bound} cases of the bound ({cert.bound.describe()}), "
+        f"{cert.properties_judged} property judgements, {cert.seconds:.0f} s on the {cert.tier} "
+        "tier\n"
+    )
+    classes = ", ".join(f"{key} {count}" for key, count in cert.cases.items() if key != "total")
+    out.write(f"  cases by class: {classes}\n")
+    if cert.failure is not None:
+        out.write(f"  first failing case: {cert.failure.case}\n")
+        by_problem: dict[str, list[str]] = {}
+        for prop, lines in cert.failure.properties.items():
+            by_problem.setdefault(lines[0], []).append(prop)
+        for line, props in by_problem.items():
+            out.write(f"  {', '.join(props)}: {line[:800]}\n")
+        out.write(cert.failure.picture.rstrip() + "\n")
+        out.write(f"  replay (process tier): {cert.failure.replay}\n")
+    out.flush()
