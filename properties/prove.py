@@ -25,8 +25,12 @@ names exist (enumerated in ``routing`` against every stage pattern), and the wor
 *which ranks* share a group (enumerated in ``layouts``). Values are fixed but distinct per rank,
 microbatch, tracker slot and name (`distinct_value`), so a swap, a dilution, a double scaling
 or a wrong denominator changes a result; ``loss_scale`` is 0.5, so a scaling done twice or not
-at all shows. Not enumerated yet (the bound says so): virtual pipelines and ``pipeline_model_
-parallel_layout`` layouts, more than one layer per stage, ``broadcast_tensor``.
+at all shows. ``broadcast`` crosses the world shapes of up to two stages (a group's members do not
+depend on what the stages hold) with every group role of two or more members, the first and
+the last member as source, three dtypes, a scalar and a transposed (non-contiguous) 2x3 source,
+and receivers passing None or a buffer. Not enumerated yet: virtual pipelines and
+``pipeline_model_parallel_layout`` layouts, more than one layer per stage, ``new_group``
+groups, invalid buffers.
 
 A model without any MoE layer (no router anywhere) is not a case: nothing is recorded and
 no MoE configuration reaches these functions. Each case is one `Scenario`, judged by every seed-profile property its calls concern (the same
@@ -67,10 +71,11 @@ from pipemetrics.sim.layout import (
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.target import is_path_target, resolve_builtin
+from pipemetrics.sim.topology import places_for
 
 StageKind = Literal["empty", "dense", "moe"]
 MtpKind = Literal["none", "dense", "moe"]
-Family = Literal["layouts", "routing"]
+Family = Literal["layouts", "routing", "broadcast"]
 
 LOSS_SCALE = 0.5
 MOE_PROPERTIES = (
@@ -193,6 +198,68 @@ class Case(Frozen):
         ]
 
 
+BROADCAST_PROPERTIES = ("broadcast.roundtrip", "broadcast.receiver_buffer")
+BROADCAST_ROLES = ("world", "pp", "dp", "tp", "cp")
+BROADCAST_DTYPES = ("float32", "bfloat16", "int64")
+
+
+class BroadcastCase(Frozen):
+    """One ``broadcast_tensor`` case: every group of a role broadcasting at once from the
+    member at ``source`` (0: the first, -1: the last, the trainers' pattern), the source's
+    tensor of ``dtype`` (a scalar, or a transposed 2x3 view), receivers passing None or a
+    buffer of the right shape and dtype."""
+
+    family: Literal["broadcast"] = "broadcast"
+    world: WorldSpec
+    role: str
+    source: Literal[0, -1]
+    dtype: str
+    shape: Literal["scalar", "transposed"]
+    receivers: Literal["none", "buffer"]
+
+    @property
+    def key(self) -> str:
+        w = self.world
+        return (
+            f"broadcast|tp{w.tp}cp{w.cp}dp{w.dp}ep{w.ep}pp{w.pp}|{self.role}|src{self.source}"
+            f"|{self.dtype}|{self.shape}|receivers-{self.receivers}"
+        )
+
+    def order(self) -> tuple[int, int, int, str]:
+        return (self.world.world_size, self.world.pp, 0, self.key)
+
+    def scenario(self, target: str, steps: int) -> Scenario:
+        from pipemetrics.sim.calls import BroadcastCall, BufferSpec
+        from pipemetrics.sim.topology import broadcast_plan
+
+        shape = [] if self.shape == "scalar" else [2, 3]
+        call = BroadcastCall(
+            group=self.role, src_group_rank=self.source, shape=shape, dtype=self.dtype,
+            non_contiguous=self.shape == "transposed", fill_seed=7,
+        )  # fmt: skip
+        if self.receivers == "buffer":
+            plan = broadcast_plan(call, self.world)
+            buffers = {r: BufferSpec(shape=shape, dtype=self.dtype) for r, role in plan.items()
+                       if r != role.source}  # fmt: skip
+            call = call.model_copy(update={"buffers": buffers})
+        layout = ModelLayout(num_layers=self.world.pp)
+        return Scenario(
+            setup=Setup(world=self.world, layout=layout), target=target,
+            steps=[Step(records=None, calls=[call])], deadline_s=60.0, profile="seed",
+        )  # fmt: skip
+
+    @property
+    def properties(self) -> tuple[str, ...]:
+        return BROADCAST_PROPERTIES
+
+    @property
+    def classes(self) -> list[str]:
+        return [f"family:{self.family}", f"pp:{self.world.pp}", f"world:{self.world.world_size}"]
+
+
+AnyCase = Case | BroadcastCase
+
+
 def distinct_value(step: int, rank: int, microbatch: int, slot: int, name: str) -> float:
     """A loss unique to (step, rank, microbatch, slot, name): a swap, a dilution or a wrong
     denominator changes any sum of them (the weights are far apart and not commensurate)."""
@@ -252,10 +319,10 @@ def routings() -> list[tuple[tuple[RoutingType, ...], RoutingType | None, bool]]
     return out
 
 
-def enumerate_cases(bound: Bound) -> list[Case]:
+def enumerate_cases(bound: Bound) -> list[AnyCase]:
     """Every case of the bound, deduplicated by key, in canonical order (`Case.order`); cases
     Megatron would reject (an invalid layout) are left out."""
-    cases: dict[str, Case] = {}
+    cases: dict[str, AnyCase] = {}
     everything: tuple[RoutingType, ...] = AUX_LOSS_TYPES
     mtps: tuple[MtpKind, ...] = ("none", "dense", "moe")
     for world in world_shapes(bound):
@@ -264,6 +331,18 @@ def enumerate_cases(bound: Bound) -> list[Case]:
         ):
             _add(cases, Case(family="layouts", world=world, stages=stages, mtp=mtp,
                              routing=everything, z_loss=True, track_names=names))  # fmt: skip
+    for world in world_shapes(bound):
+        if world.pp > 2:
+            continue  # a group's members are the same whatever the stages hold
+        places = places_for(world)
+        for role, source, dtype, shape, receivers in itertools.product(
+            BROADCAST_ROLES, (0, -1), BROADCAST_DTYPES, ("scalar", "transposed"),
+            ("none", "buffer"),
+        ):  # fmt: skip
+            if len(places[0].groups[role]) < 2:
+                continue  # a group of one moves nothing
+            _add(cases, BroadcastCase(world=world, role=role, source=source, dtype=dtype,
+                                      shape=shape, receivers=receivers))  # fmt: skip
     if ROUTING_WORLD.pp <= bound.max_pp and ROUTING_WORLD.world_size <= bound.max_world:
         for stages, mtp, (routing, zero, z) in itertools.product(
             stage_patterns(ROUTING_WORLD.pp), mtps, routings()
@@ -271,16 +350,17 @@ def enumerate_cases(bound: Bound) -> list[Case]:
             _add(cases, Case(family="routing", world=ROUTING_WORLD, stages=stages, mtp=mtp,
                              routing=routing, zero_coefficient=zero, z_loss=z,
                              track_names="none"))  # fmt: skip
-    return sorted(cases.values(), key=Case.order)
+    return sorted(cases.values(), key=lambda case: case.order())
 
 
-def _add(cases: dict[str, Case], case: Case) -> None:
-    try:
-        setup = case.setup()
-    except ValueError:
-        return  # a layout Megatron's rules reject
-    if not any(setup.router_slots(stage) for stage in range(setup.world.pp)):
-        return  # no MoE layer anywhere: no router, nothing these functions report
+def _add(cases: dict[str, AnyCase], case: AnyCase) -> None:
+    if isinstance(case, Case):
+        try:
+            setup = case.setup()
+        except ValueError:
+            return  # a layout Megatron's rules reject
+        if not any(setup.router_slots(stage) for stage in range(setup.world.pp)):
+            return  # no MoE layer anywhere: no router, nothing these functions report
     cases.setdefault(case.key, case)
 
 
@@ -288,7 +368,7 @@ def digest(keys: list[str]) -> str:
     return hashlib.sha256("\n".join(keys).encode()).hexdigest()
 
 
-def shard_of(cases: list[Case], shard: tuple[int, int]) -> list[Case]:
+def shard_of(cases: list[AnyCase], shard: tuple[int, int]) -> list[AnyCase]:
     """Shard ``K/N`` (1-based K): every N-th case from the K-th, in canonical order."""
     k, n = shard
     return cases[k - 1 :: n]
@@ -410,7 +490,7 @@ def prove(
 
 
 def _failure(
-    case: Case,
+    case: AnyCase,
     scenario: Scenario,
     problems: dict[str, list[str]],
     report_dir: Path,
@@ -496,7 +576,9 @@ def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, str], None]:
 
 
 __all__ = [
+    "AnyCase",
     "Bound",
+    "BroadcastCase",
     "Case",
     "Certificate",
     "MergeError",

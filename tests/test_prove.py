@@ -1,0 +1,123 @@
+"""``pipemetrics prove``: the enumeration, the certificate, shards and their merge, and that every
+hang-class mutant of the seed profile is disproven with a smallest layout that replays on the
+process tier. CI runs reduced bounds (the README states the default bound's numbers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.properties.prove import (
+    Bound,
+    Case,
+    Certificate,
+    MergeError,
+    enumerate_cases,
+    merge,
+    prove,
+    shard_of,
+)
+from pipemetrics.sim.replay import replay_main
+
+from .broken.mutants import MUTANTS, write_mutant
+from .conftest import Bounds, private_tmpdir, run_bounded
+
+TINY = Bound(max_pp=2, max_world=2)
+SEED_HANG_MUTANTS = sorted(
+    name for name, m in MUTANTS.items() if m.sim_verdict is not None and m.profile == "seed"
+)
+
+
+def test_the_enumeration_is_canonical_and_smallest_first() -> None:
+    cases = enumerate_cases(Bound())
+    keys = [c.key for c in cases]
+    assert len(set(keys)) == len(keys)
+    assert keys == [c.key for c in enumerate_cases(Bound())]
+    sizes = [c.world.world_size for c in cases]
+    assert sizes == sorted(sizes)
+    families = {c.family for c in cases}
+    assert families == {"layouts", "routing", "broadcast"}
+    moe_cases = [c for c in cases if isinstance(c, Case)]
+    assert {c.mtp for c in moe_cases} == {"none", "dense", "moe"}
+    assert {k for c in moe_cases for k in c.stages} == {"empty", "dense", "moe"}
+    assert max(c.world.pp for c in cases) == Bound().max_pp
+
+
+def test_shards_partition_the_cases() -> None:
+    cases = enumerate_cases(TINY)
+    shards = [shard_of(cases, (k, 3)) for k in (1, 2, 3)]
+    keys = [c.key for shard in shards for c in shard]
+    assert sorted(keys) == sorted(c.key for c in cases) and len(keys) == len(cases)
+
+
+def test_the_reference_is_proven_on_a_small_bound(tmp_path: Path) -> None:
+    cert = prove("pipemetrics.reference", TINY, report_dir=tmp_path)
+    assert cert.proven, cert.failure
+    assert cert.cases["total"] == cert.cases_in_bound == len(enumerate_cases(TINY))
+    assert cert.properties_judged > cert.cases["total"]
+    assert cert.target_sha256 and cert.megatron_core != "unknown"
+
+
+@pytest.mark.parametrize("name", SEED_HANG_MUTANTS)
+def test_every_seed_hang_mutant_is_disproven(tmp_path: Path, name: str) -> None:
+    path = write_mutant(name, tmp_path / "mutants")
+    cert = prove(str(path), Bound(max_pp=2, max_world=4), report_dir=tmp_path / "report")
+    assert not cert.proven and cert.failure is not None
+    failing = next(c for c in enumerate_cases(Bound(max_pp=2, max_world=4))
+                   if c.key == cert.failure.case)  # fmt: skip
+    assert failing.world.world_size <= 2, cert.failure.case  # the smallest world that shows it
+    scenario_file = cert.failure.replay.split(" ", 2)[2]
+    assert replay_main(scenario_file, impl=None, raw=False, json_out=None) == 1
+
+
+def _shard(tmp_path: Path, k: int, n: int) -> Certificate:
+    return prove("pipemetrics.reference", TINY, shard=(k, n), report_dir=tmp_path)
+
+
+def test_merged_shards_cover_the_bound_exactly_once(tmp_path: Path) -> None:
+    first, second = _shard(tmp_path, 1, 2), _shard(tmp_path, 2, 2)
+    merged = merge([first, second])
+    assert merged.proven and merged.shard == (1, 1)
+    assert merged.cases["total"] == merged.cases_in_bound
+    with pytest.raises(MergeError, match="shard 1/2 appears 2 times; shard 2/2 appears 0"):
+        merge([first, first])
+    with pytest.raises(MergeError, match="shard 2/2 appears 0 times"):
+        merge([first])
+    forged = second.model_copy(update={"shard_digest": first.shard_digest})
+    with pytest.raises(MergeError, match="its cases are not this bound's shard"):
+        merge([first, forged])
+    other = second.model_copy(update={"bound": Bound(max_pp=1, max_world=2)})
+    with pytest.raises(MergeError, match="bound: the certificates differ"):
+        merge([first, other])
+
+
+def _prove_cli(tmp_path: Path, bounds: Bounds, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "pipemetrics.properties.cli", "prove",
+               "--report-dir", str(tmp_path / "report"), *args]  # fmt: skip
+    with private_tmpdir() as tmp:
+        import os
+
+        return run_bounded(command, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp)),
+                           timeout=bounds(20, 300))  # fmt: skip
+
+
+def test_the_command_writes_certificates_and_merges_them(tmp_path: Path, bounds: Bounds) -> None:
+    outs = []
+    for k in (1, 2):
+        out = tmp_path / f"shard{k}.json"
+        done = _prove_cli(tmp_path, bounds, "--max-pp", "1", "--max-world", "2",
+                          "--shard", f"{k}/2", "--json", str(out))  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"PROVEN for shard {k}/2" in done.stdout
+        outs.append(str(out))
+    merged = tmp_path / "merged.json"
+    done = _prove_cli(tmp_path, bounds, "--merge", *outs, "--json", str(merged))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(merged.read_text())
+    assert data["proven"] is True and data["cases"]["total"] == data["cases_in_bound"]
+    done = _prove_cli(tmp_path, bounds, "--shard", "3/2")
+    assert done.returncode == 2 and "--shard: K must be between 1 and N" in done.stdout
