@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -205,22 +205,63 @@ scaling curve when `make_plan` lists sizes for it, and a throughput column when 
 `THROUGHPUT_MODES` with `persistent_in`."""
 
 
+class PidLog(list[int]):
+    """Pids, each with its process's start time read when it was added (by ``append`` or
+    ``extend``; ``+=`` would bypass it): under load the system reuses pids within minutes, and a
+    live process that started later under the same pid is not one of ours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.born: dict[int, int | None] = {}
+
+    def append(self, pid: int) -> None:
+        self.born.setdefault(pid, _start_ticks(pid))
+        super().append(pid)
+
+    def extend(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            self.append(pid)
+
+    def alive(self) -> list[int]:
+        """The pids whose own process is still alive (not a zombie)."""
+        out = []
+        for pid in self:
+            born = self.born.get(pid)
+            if born is not None and _start_ticks(pid) == born and _pid_alive(pid):
+                out.append(pid)
+        return out
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from the state on (field 3), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (field 22 of /proc/PID/stat)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
 @dataclass
 class Leftovers:
     """Every rank pid and world directory the bench started, reported so tests can check them."""
 
-    pids: list[int] = field(default_factory=list)
+    pids: PidLog = field(default_factory=PidLog)
     directories: list[str] = field(default_factory=list)
 
     def note[W: TierWorld](self, world: W) -> W:
         if world.directory not in self.directories:
             self.directories.append(world.directory)
-            self.pids += world.pids
+            self.pids.extend(world.pids)
         return world
 
     def survivors(self) -> tuple[list[int], list[str]]:
-        alive = [pid for pid in self.pids if _pid_alive(pid)]
-        return alive, [d for d in self.directories if os.path.exists(d)]
+        return self.pids.alive(), [d for d in self.directories if os.path.exists(d)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -230,11 +271,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().split()[2] != "Z"
-    except OSError:
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _err(message: str) -> None:
@@ -803,7 +841,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "world_dirs_started": len(leftovers.directories),
             "surviving_pids": pids,
             "surviving_dirs": directories,
-            "pids": leftovers.pids,
+            "pids": list(leftovers.pids),
             "dirs": leftovers.directories,
         },
         "notes": [

@@ -84,9 +84,12 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
                 assert math.isclose(
                     speedup, rates["persistent"][size] / rates[mode][size], rel_tol=1e-2
                 ), (mode, size, data)
-    for mode, by_size in through["peak_rss_mb_per_rank"].items():
-        assert mode in modes
-        assert all(positive(v["median"]) and v["median"] <= v["max"] for v in by_size.values())
+    for key in ("peak_rss_mb_per_rank", "pss_mb_per_rank"):
+        assert set(through[key]["persistent"]) == QUICK_SIZES, key
+        for mode, by_size in through[key].items():
+            assert mode in modes, (key, mode)
+            for stats in by_size.values():
+                assert positive(stats["median"]) and stats["median"] <= stats["max"], (key, mode)
 
     scaling = data["scaling"]
     assert set(scaling["process"]) == QUICK_SIZES
