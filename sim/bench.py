@@ -780,6 +780,10 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
                 }
                 for name, runs in measured.items()
             },
+            "pss_mb_per_rank": {
+                name: {str(s): _stats(run.memory.pss_mb) for s, run in runs.items() if run.memory}
+                for name, runs in measured.items()
+            },
             "speedup": {
                 name: {
                     str(s): _num(ours[s].rate / run.rate) for s, run in runs.items() if s in ours
