@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     add_load_timeout(demo)
 
     bench = sub.add_parser(
-        "bench", help="throughput, hang-verdict latency and start-up, side by side"
+        "bench", help="throughput, scaling, hang verdicts and per-call cost, side by side"
     )
     from pipemetrics.sim.bench import add_bench_arguments
 

@@ -1,23 +1,33 @@
-"""``pipemetrics bench``: throughput, hang-verdict latency and start-up, side by side.
+"""``pipemetrics bench``: throughput, scaling, hang verdicts and per-call cost, side by side.
 
-Everything is measured in one run on the same machine, each against its baseline:
+Everything is measured in one run on the same machine, each against what a user would otherwise
+use (never against a constant the bench chose):
 
-1. examples per second of the property loop on persistent worlds (one pooled world per shape,
-   many synthetic ``get_moe_metrics`` examples judged by the oracle) against a fresh world per
-   example in the pattern of torch's ``MultiProcessTestCase`` (new processes started with the
-   ``spawn`` method, each importing torch and megatron-core itself, then torn down);
-2. time from the event that makes a deadlock certain to the verdict (`Verdict.latency_ms`) over
-   many deadlocking scenarios, against raw mode (real backend, ``gate=False``) whose only way
-   to see the hang is the scenario deadline;
-3. world start time: spawned ranks (cold) against ranks forked from the preloaded fork server;
-4. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile;
-5. hang and mismatch detection (`pipemetrics.sim.hang_detection`): which mismatch kinds
-   pipemetrics and PyTorch's own tools (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, a short gloo
-   timeout, ``monitored_barrier``) detect on the same 2-rank scenarios, and after how long.
+1. throughput: examples per second of the property loop (synthetic ``get_moe_metrics`` examples
+   judged by the oracle) at 2, 4 and 8 ranks, the same examples under every way of running them
+   (`THROUGHPUT_MODES`): a persistent pooled world per shape (pipemetrics), a fresh world per
+   example forked from the preloaded fork server (the cheap alternative: ``fork`` of a process
+   that imported torch and megatron-core once), and a world spawned once per test of
+   ``examples_per_test`` examples, torch's ``MultiProcessTestCase`` pattern (``spawn`` start,
+   each rank imports torch and megatron-core itself), its start amortised over the test;
+2. scaling: per tier (`TIERS`), examples per second, peak RSS per rank (``VmHWM`` of every rank
+   process after the examples, and its proportional share, ``Pss``) and world start time against
+   world size;
+3. deadlock verdicts: end to end, from handing a deadlocking scenario to a pooled world until
+   the verdict is in the caller's hands, and the controller's reaction time
+   (``Verdict.latency_ms``); what a user gets otherwise is the hang detection table below and
+   torch's default process-group timeout, stated, never waited for;
+4. world start: preloaded (forked from the fork server) and cold (spawned), per world size;
+5. the per-call cost of the reference against Megatron's own ``report()``
+   (`pipemetrics.sim.call_cost`);
+6. hang and mismatch detection (`pipemetrics.sim.hang_detection`) against PyTorch's own tools;
+7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile.
 
-``--quick`` (for CI) shrinks every count, skips step 4 and runs step 5 on three kinds with
-pipemetrics and DETAIL only, to prove the bench works. Numbers are
-reported, never asserted. Every world is closed and every temporary directory removed.
+``--plot DIR`` draws the throughput and scaling curves as PNG files (matplotlib, the ``plot``
+extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
+measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips step 7 and
+runs step 6 on three kinds with pipemetrics and DETAIL only, to prove the bench works. Numbers
+are reported, never asserted. Every world is closed and every temporary directory removed.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -35,10 +46,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pipemetrics.sim.call_cost import CallCost, measure_call_cost
 from pipemetrics.sim.calls import MoeCall
@@ -48,6 +59,7 @@ from pipemetrics.sim.hang_detection import (
     HangDetection,
     MismatchKind,
     Tool,
+    default_timeout_s,
     markdown_table,
     measure_hang_detection,
     report_section,
@@ -65,7 +77,9 @@ DEADLINE_S = 120.0
 """Deadline of the throughput and gated deadlock scenarios (never reached when all is well)."""
 GATED_DEADLINE_S = 30.0
 PERCENTILES = (50, 95)
-TARGETS = {"speedup_4": 100.0, "deadlock_p95_ms": 100.0, "preloaded_start_4_s": 1.0}
+HYPOTHESIS_DEFAULT_EXAMPLES = 100
+"""Hypothesis' default ``max_examples``: the examples of one test in the spawn-per-test mode."""
+PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
 
 DEADLOCK_TARGET = """\
 import torch.distributed as dist
@@ -97,13 +111,18 @@ class Plan:
 
     quick: bool
     sizes: tuple[int, ...]
+    """World sizes of the throughput comparison (every mode runs at each)."""
+    scaling_sizes: dict[str, tuple[int, ...]]
+    """World sizes of the scaling curves, per tier (`TIERS`)."""
     persistent_examples: int
     warmup_examples: int
-    spawn_examples: dict[int, int]
+    fork_examples: int
+    """Examples (each a fresh forked world) per size in the fork-per-example mode."""
+    examples_per_test: int
+    """Examples in the one spawned world per size of the spawn-per-test mode."""
     deadlock_samples: int
-    raw_samples: int
-    raw_deadline_s: float
     preloaded_starts: int
+    """Fresh preloaded starts at least, per size (the fork-per-example worlds count)."""
     run_check: bool
     check_timeout_s: float
     cost_steps: int
@@ -125,12 +144,12 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         return Plan(
             quick=True,
             sizes=(2, 4),
+            scaling_sizes={"process": (2, 4), "inprocess": (2, 4)},
             persistent_examples=5,
             warmup_examples=1,
-            spawn_examples={2: 1, 4: 1},
+            fork_examples=2,
+            examples_per_test=5,
             deadlock_samples=5,
-            raw_samples=1,
-            raw_deadline_s=1.0,
             preloaded_starts=1,
             run_check=False,
             check_timeout_s=check_timeout_s,
@@ -142,13 +161,13 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
     return Plan(
         quick=False,
         sizes=(2, 4, 8),
+        scaling_sizes={"process": (2, 4, 8, 16), "inprocess": (2, 4, 8, 16, 32, 64)},
         persistent_examples=50,
         warmup_examples=3,
-        spawn_examples={2: 2, 4: 2, 8: 2},
+        fork_examples=10,
+        examples_per_test=HYPOTHESIS_DEFAULT_EXAMPLES,
         deadlock_samples=100,
-        raw_samples=3,
-        raw_deadline_s=1.5,
-        preloaded_starts=5,
+        preloaded_starts=3,
         run_check=True,
         check_timeout_s=check_timeout_s,
         cost_steps=30,
@@ -158,22 +177,92 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
     )
 
 
+class TierWorld(Protocol):
+    """What the bench reads of a live world of any tier."""
+
+    startup_s: float
+    directory: str
+
+    @property
+    def pids(self) -> list[int]: ...
+
+
+class TierPool(Protocol):
+    """What the bench needs of a tier's pool of live worlds (`WorldPool` is the process tier)."""
+
+    def world(self, spec: WorldSpec) -> TierWorld: ...
+
+    def run(self, scenario: Scenario) -> WorldRun: ...
+
+    def close(self) -> None: ...
+
+
+TIERS: dict[str, Callable[[int], TierPool]] = {
+    "process": lambda max_ranks: WorldPool(max_ranks=max_ranks),
+    "inprocess": lambda max_ranks: WorldPool(max_ranks=max_ranks, tier="inprocess"),
+}
+"""Pool factories by tier name, given the most ranks alive at once. A tier added here gets a
+scaling curve when `make_plan` lists sizes for it, and a throughput column when it is added to
+`THROUGHPUT_MODES` with `persistent_in`."""
+
+
+class PidLog(list[int]):
+    """Pids, each with its process's start time read when it was added (by ``append`` or
+    ``extend``; ``+=`` would bypass it): under load the system reuses pids within minutes, and a
+    live process that started later under the same pid is not one of ours."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.born: dict[int, int | None] = {}
+
+    def append(self, pid: int) -> None:
+        self.born.setdefault(pid, _start_ticks(pid))
+        super().append(pid)
+
+    def extend(self, pids: Iterable[int]) -> None:
+        for pid in pids:
+            self.append(pid)
+
+    def alive(self) -> list[int]:
+        """The pids whose own process is still alive (not a zombie)."""
+        out = []
+        for pid in self:
+            born = self.born.get(pid)
+            if born is not None and _start_ticks(pid) == born and _pid_alive(pid):
+                out.append(pid)
+        return out
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from the state on (field 3), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return handle.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks after boot (field 22 of /proc/PID/stat)."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
 @dataclass
 class Leftovers:
     """Every rank pid and world directory the bench started, reported so tests can check them."""
 
-    pids: list[int] = field(default_factory=list)
+    pids: PidLog = field(default_factory=PidLog)
     directories: list[str] = field(default_factory=list)
 
-    def note(self, world: LiveWorld) -> LiveWorld:
+    def note[W: TierWorld](self, world: W) -> W:
         if world.directory not in self.directories:
             self.directories.append(world.directory)
-            self.pids += world.pids
+            self.pids.extend(world.pids)
         return world
 
     def survivors(self) -> tuple[list[int], list[str]]:
-        alive = [pid for pid in self.pids if _pid_alive(pid)]
-        return alive, [d for d in self.directories if os.path.exists(d)]
+        return self.pids.alive(), [d for d in self.directories if os.path.exists(d)]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -183,11 +272,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().split()[2] != "Z"
-    except OSError:
-        return False
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _err(message: str) -> None:
@@ -285,119 +371,272 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def _proc_kb(path: str, key: str) -> float | None:
+    """A ``key:  123 kB`` line of a /proc file, in kB (None when the process is gone)."""
+    with contextlib.suppress(OSError), open(path, encoding="ascii", errors="replace") as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return float(line.split()[1])
+    return None
+
+
+@dataclass
+class Memory:
+    """Per rank process, in MB: peak resident set (``VmHWM``) and proportional set (``Pss``,
+    pages shared with the fork server and the other ranks divided among their users)."""
+
+    peak_rss_mb: list[float]
+    pss_mb: list[float]
+
+
+def rank_memory(pids: list[int], ranks: int | None = None) -> Memory | None:
+    """Memory of live rank processes (None when none could be read). With fewer processes than
+    ``ranks`` (the in-process tier: one host for every rank), each rank is given an equal share
+    of the processes' total."""
+    peak: list[float] = []
+    pss: list[float] = []
+    for pid in pids:
+        hwm = _proc_kb(f"/proc/{pid}/status", "VmHWM")
+        share = _proc_kb(f"/proc/{pid}/smaps_rollup", "Pss")
+        if hwm is not None:
+            peak.append(hwm / 1024.0)
+        if share is not None:
+            pss.append(share / 1024.0)
+    if ranks is not None and peak and len(pids) < ranks:
+        peak = [sum(peak) / ranks] * ranks
+        pss = [sum(pss) / ranks] * ranks if pss else pss
+    return Memory(peak, pss) if peak else None
+
+
+@dataclass
+class ModeRun:
+    """One way of running examples, at one world size."""
+
+    examples: int
+    seconds: float
+    starts_s: list[float] = field(default_factory=list)
+    """Every world start in the run (timed inside it, except for a pooled world's)."""
+    memory: Memory | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.examples / self.seconds
+
+
+Measure = Callable[[WorldSpec, list[Scenario], Leftovers], ModeRun]
+"""Runs the examples in worlds of the shape; every world it starts goes to ``Leftovers``."""
+
+
+def persistent_in(tier: str, warmup: int) -> Measure:
+    """One pooled world of ``tier`` for all the examples: its start and the first ``warmup``
+    examples are not timed (the steady state of a property run)."""
+
+    def measure(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
+        pool = TIERS[tier](spec.world_size)
+        try:
+            world = leftovers.note(pool.world(spec))
+            for scenario in scenarios[:warmup]:
+                _judged(scenario, pool.run(scenario))
+            timed = scenarios[warmup:]
+            began = time.perf_counter()
+            for scenario in timed:
+                _judged(scenario, pool.run(scenario))
+            elapsed = time.perf_counter() - began
+            memory = rank_memory(world.pids, spec.world_size)
+        finally:
+            pool.close()
+        return ModeRun(len(timed), elapsed, [world.startup_s], memory)
+
+    return measure
+
+
+def fork_per_example(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
+    """A fresh world per example, its ranks forked from the preloaded fork server: start, run,
+    judge, close, all timed."""
+    starts: list[float] = []
+    began = time.perf_counter()
+    for scenario in scenarios:
+        with World(spec) as world:
+            leftovers.note(world)
+            run = world.run(scenario)
+            starts.append(world.startup_s)
+        _judged(scenario, run)
+    return ModeRun(len(scenarios), time.perf_counter() - began, starts)
+
+
+def spawn_per_test(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
+    """One world spawned for the whole test (torch's MultiProcessTestCase: ``spawn`` start, each
+    rank imports torch and megatron-core itself), every example run in it, then closed; the
+    start and the close are timed with the examples."""
+    began = time.perf_counter()
+    with World(spec, start_method="spawn") as world:
+        leftovers.note(world)
+        for scenario in scenarios:
+            _judged(scenario, world.run(scenario))
+        memory = rank_memory(world.pids)
+        start = world.startup_s
+    return ModeRun(len(scenarios), time.perf_counter() - began, [start], memory)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """A way of running the property loop's examples, a column of the throughput table."""
+
+    name: str
+    label: str
+    examples: Callable[[Plan], int]
+    measure: Callable[[Plan], Measure]
+    tier: str | None = None
+    """The tier whose pooled steady state this is: measured once, for scaling and throughput."""
+    preloaded: bool = False
+    """Its world starts are preloaded process-tier starts (counted in ``world_start_s``)."""
+
+
+THROUGHPUT_MODES: tuple[Mode, ...] = (
+    Mode(
+        "persistent",
+        "persistent pooled world (pipemetrics, process tier)",
+        lambda p: p.warmup_examples + p.persistent_examples,
+        lambda p: persistent_in("process", p.warmup_examples),
+        tier="process",
+        preloaded=True,
+    ),
+    Mode(
+        "fork_per_example",
+        "a fresh world per example, forked from the preloaded fork server",
+        lambda p: p.fork_examples,
+        lambda p: fork_per_example,
+        preloaded=True,
+    ),
+    Mode(
+        "spawn_per_test",
+        "a world spawned per test of {n} examples (MultiProcessTestCase), start amortised",
+        lambda p: p.examples_per_test,
+        lambda p: spawn_per_test,
+    ),
+    Mode(
+        "inprocess",
+        "persistent in-process world (pipemetrics, in-process tier: every rank in one process)",
+        lambda p: p.warmup_examples + p.persistent_examples,
+        lambda p: persistent_in("inprocess", p.warmup_examples),
+        tier="inprocess",
+    ),
+)
+"""The first mode is pipemetrics; every other is reported with its ratio to it."""
+
+
 @dataclass
 class Results:
-    persistent: dict[int, float] = field(default_factory=dict)
-    spawn: dict[int, float] = field(default_factory=dict)
-    persistent_example_ms: dict[int, float] = field(default_factory=dict)
-    spawn_example_s: dict[int, list[float]] = field(default_factory=dict)
+    runs: dict[str, dict[int, ModeRun]] = field(default_factory=dict)
+    """Throughput, by mode and world size."""
+    scaling: dict[str, dict[int, ModeRun]] = field(default_factory=dict)
+    """A tier's pooled steady state, by tier and world size."""
+    tier_starts_s: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """World starts of each tier (for the process tier: preloaded starts), by world size."""
     cold_start_s: dict[int, list[float]] = field(default_factory=dict)
-    preloaded_start_s: dict[int, list[float]] = field(default_factory=dict)
     first_forkserver_start_s: float | None = None
     deadlock_ms: list[float] = field(default_factory=list)
     deadlock_run_ms: list[float] = field(default_factory=list)
-    raw_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
     call_cost: list[CallCost] = field(default_factory=list)
     hang: HangDetection | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def measure_persistent(plan: Plan, results: Results, leftovers: Leftovers) -> None:
-    rng = random.Random(20240601)
-    with WorldPool(max_ranks=max(plan.sizes)) as pool:
-        for size in plan.sizes:
-            spec = pipeline_world(size)
-            world = leftovers.note(pool.world(spec))
-            results.preloaded_start_s.setdefault(size, []).append(world.startup_s)
-            if results.first_forkserver_start_s is None:
-                results.first_forkserver_start_s = world.startup_s
-                _err(f"fork server up, first world ({size} ranks) in {world.startup_s:.2f} s")
-                results.preloaded_start_s[size].clear()  # it paid for the preload
-            for _ in range(plan.warmup_examples):
-                scenario = throughput_scenario(spec, rng)
-                _judged(scenario, pool.run(scenario))
-            scenarios = [throughput_scenario(spec, rng) for _ in range(plan.persistent_examples)]
-            began = time.perf_counter()
-            for scenario in scenarios:
-                _judged(scenario, pool.run(scenario))
-            elapsed = time.perf_counter() - began
-            results.persistent[size] = plan.persistent_examples / elapsed
-            results.persistent_example_ms[size] = 1000.0 * elapsed / plan.persistent_examples
+def examples_for(size: int, count: int) -> list[Scenario]:
+    """The same examples for every mode at a size (a prefix of one seeded sequence)."""
+    rng = random.Random(20240601 + size)
+    spec = pipeline_world(size)
+    return [throughput_scenario(spec, rng) for _ in range(count)]
+
+
+def warm_forkserver(results: Results, leftovers: Leftovers) -> None:
+    """Start the fork server (it imports torch and megatron-core once) with a 1-rank world, so
+    that no measured start pays for the preload."""
+    with World(pipeline_world(1)) as world:
+        leftovers.note(world)
+        results.first_forkserver_start_s = world.startup_s
+    _err(f"fork server up, its first (1-rank) world in {results.first_forkserver_start_s:.2f} s")
+
+
+def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    """Every tier's pooled steady state at each of its sizes."""
+    for tier, sizes in plan.scaling_sizes.items():
+        measure = persistent_in(tier, plan.warmup_examples)
+        count = plan.warmup_examples + plan.persistent_examples
+        for size in sizes:
+            run = measure(pipeline_world(size), examples_for(size, count), leftovers)
+            results.scaling.setdefault(tier, {})[size] = run
+            results.tier_starts_s.setdefault(tier, {}).setdefault(size, []).extend(run.starts_s)
             _err(
-                f"persistent {size} ranks: {plan.persistent_examples} examples in "
-                f"{elapsed:.2f} s ({results.persistent[size]:.1f}/s)"
+                f"{tier} tier, {size} ranks: {run.examples} pooled examples in "
+                f"{run.seconds:.2f} s ({run.rate:.1f}/s), world start {run.starts_s[0]:.2f} s"
             )
-        # Fresh preloaded starts (the fork server is warm now); 4 ranks is the target's shape.
-        start_size = 4 if 4 in plan.sizes else plan.sizes[-1]
-        spec = pipeline_world(start_size)
-        for _ in range(plan.preloaded_starts):
-            with World(spec) as world:
-                leftovers.note(world)
-                results.preloaded_start_s.setdefault(start_size, []).append(world.startup_s)
 
 
-def measure_spawn(plan: Plan, results: Results, leftovers: Leftovers) -> None:
-    rng = random.Random(20240602)
-    for size in plan.sizes:
-        spec = pipeline_world(size)
-        count = plan.spawn_examples.get(size, 0)
-        if count <= 0:
-            continue
-        times: list[float] = []
-        for _ in range(count):
-            scenario = throughput_scenario(spec, rng)
-            began = time.perf_counter()
-            with World(spec, start_method="spawn") as world:
-                leftovers.note(world)
-                run = world.run(scenario)
-                results.cold_start_s.setdefault(size, []).append(world.startup_s)
-            _judged(scenario, run)
-            times.append(time.perf_counter() - began)
-        results.spawn_example_s[size] = times
-        results.spawn[size] = len(times) / sum(times)
-        _err(
-            f"spawn-per-example {size} ranks: {count} examples in {sum(times):.2f} s "
-            f"({results.spawn[size]:.3f}/s)"
-        )
+def measure_throughput(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    """Every mode at every throughput size (a tier's pooled mode reuses the scaling run)."""
+    for mode in THROUGHPUT_MODES:
+        measure = mode.measure(plan)
+        for size in plan.sizes:
+            known = results.scaling.get(mode.tier or "", {}).get(size)
+            if known is not None:
+                results.runs.setdefault(mode.name, {})[size] = known
+                continue
+            run = measure(pipeline_world(size), examples_for(size, mode.examples(plan)), leftovers)
+            results.runs.setdefault(mode.name, {})[size] = run
+            if mode.preloaded:
+                results.tier_starts_s.setdefault("process", {}).setdefault(size, []).extend(
+                    run.starts_s
+                )
+            elif mode.tier is None:
+                results.cold_start_s.setdefault(size, []).extend(run.starts_s)
+            _err(
+                f"{mode.name}, {size} ranks: {run.examples} examples in {run.seconds:.2f} s "
+                f"({run.rate:.3g}/s)"
+            )
+
+
+def measure_starts(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    """More fresh world starts where a tier has fewer than ``plan.preloaded_starts`` at a size."""
+    for tier, sizes in plan.scaling_sizes.items():
+        for size in sizes:
+            starts = results.tier_starts_s.setdefault(tier, {}).setdefault(size, [])
+            while len(starts) < plan.preloaded_starts:
+                pool = TIERS[tier](size)
+                try:
+                    starts.append(leftovers.note(pool.world(pipeline_world(size))).startup_s)
+                finally:
+                    pool.close()
 
 
 def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None:
-    sizes: list[int] = [s for s in (2, 4) if s in plan.sizes] or [plan.sizes[0]]
+    """End to end (``pool.run`` until the verdict is in hand) and reaction time of deadlocks."""
+    sizes = deadlock_sizes(plan)
     with deadlock_target() as target, WorldPool(max_ranks=sum(sizes)) as pool:
         for i in range(plan.deadlock_samples):
             spec = pipeline_world(sizes[i % len(sizes)])
             leftovers.note(pool.world(spec))
             scenario = deadlock_scenario(spec, target, 1.0 + i, GATED_DEADLINE_S)
+            began = time.perf_counter()
             run = pool.run(scenario)
+            elapsed = time.perf_counter() - began
             verdict = run.verdict
             if verdict.kind != "deadlock" or verdict.latency_ms is None:
                 raise BenchError(
                     f"expected a deadlock verdict, got {verdict.kind}: {verdict.message[:600]}"
                 )
             results.deadlock_ms.append(verdict.latency_ms)
-            results.deadlock_run_ms.append(1000.0 * run.seconds)
-        _err(
-            f"gated deadlock verdicts: {plan.deadlock_samples} samples, p95 "
-            f"{percentile(results.deadlock_ms, 95):.2f} ms"
-        )
-        spec = pipeline_world(sizes[0])
-        for i in range(plan.raw_samples):
-            scenario = deadlock_scenario(spec, target, 1.0 + i, plan.raw_deadline_s)
-            with World(spec) as world:
-                leftovers.note(world)
-                began = time.perf_counter()
-                run = world.run(scenario, gate=False)
-                elapsed = time.perf_counter() - began
-            if run.verdict.kind != "timeout":
-                raise BenchError(
-                    f"raw mode: expected the deadline to expire, got {run.verdict.kind}: "
-                    f"{run.verdict.message[:600]}"
-                )
-            results.raw_ms.append(1000.0 * elapsed)
-        _err(
-            f"raw-mode deadlocks: {plan.raw_samples} samples at a {plan.raw_deadline_s:g} s deadline"
-        )
+            results.deadlock_run_ms.append(1000.0 * elapsed)
+    _err(
+        f"gated deadlock verdicts: {plan.deadlock_samples} samples, end to end p95 "
+        f"{percentile(results.deadlock_run_ms, 95):.2f} ms, reaction p95 "
+        f"{percentile(results.deadlock_ms, 95):.2f} ms"
+    )
+
+
+def deadlock_sizes(plan: Plan) -> list[int]:
+    return [s for s in (2, 4) if s in plan.sizes] or [plan.sizes[0]]
 
 
 def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
@@ -516,78 +755,136 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def _stats(values: list[float]) -> dict[str, float] | None:
+    return {"median": _num(statistics.median(values)), "max": _num(max(values))} if values else None
+
+
+def _mode_label(mode: Mode, plan_examples_per_test: int) -> str:
+    return mode.label.format(n=plan_examples_per_test)
+
+
 def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]:
-    measured = [s for s in plan.sizes if s in results.persistent and s in results.spawn]
-    cold = _median(results.cold_start_s.get(4, [])) or _median(
-        [t for ts in results.cold_start_s.values() for t in ts]
-    )
-    preloaded = _median(results.preloaded_start_s.get(4, []))
-    if cold is None or preloaded is None:
-        raise BenchError("world start times were not measured for 4 ranks")
+    first = THROUGHPUT_MODES[0].name
+    measured = {m.name: results.runs.get(m.name, {}) for m in THROUGHPUT_MODES}
+    ours = measured[first]
+    if not ours:
+        raise BenchError("the persistent throughput was not measured")
+    preloaded = results.tier_starts_s.get("process", {})
     pids, directories = leftovers.survivors()
+    sizes = deadlock_sizes(plan)
     return {
-        "examples_per_s": {
-            "persistent": {str(s): _num(results.persistent[s]) for s in measured},
-            "spawn": {str(s): _num(results.spawn[s]) for s in measured},
+        "throughput": {
+            "sizes": list(plan.sizes),
+            "examples_per_test": plan.examples_per_test,
+            "modes": {m.name: _mode_label(m, plan.examples_per_test) for m in THROUGHPUT_MODES},
+            "examples": {
+                name: {str(s): run.examples for s, run in runs.items()}
+                for name, runs in measured.items()
+            },
+            "examples_per_s": {
+                name: {str(s): _num(run.rate) for s, run in runs.items()}
+                for name, runs in measured.items()
+            },
+            "peak_rss_mb_per_rank": {
+                name: {
+                    str(s): _stats(run.memory.peak_rss_mb) for s, run in runs.items() if run.memory
+                }
+                for name, runs in measured.items()
+            },
+            "pss_mb_per_rank": {
+                name: {str(s): _stats(run.memory.pss_mb) for s, run in runs.items() if run.memory}
+                for name, runs in measured.items()
+            },
+            "speedup": {
+                name: {
+                    str(s): _num(ours[s].rate / run.rate) for s, run in runs.items() if s in ours
+                }
+                for name, runs in measured.items()
+                if name != first
+            },
         },
-        "speedup": {str(s): _num(results.persistent[s] / results.spawn[s]) for s in measured},
-        "deadlock_verdict_ms": {
-            f"p{q}": _num(percentile(results.deadlock_ms, q)) for q in PERCENTILES
+        "scaling": {
+            tier: {
+                str(size): {
+                    "examples_per_s": _num(run.rate),
+                    "start_s": _num(statistics.median(results.tier_starts_s[tier][size])),
+                    "peak_rss_mb_per_rank": _stats(run.memory.peak_rss_mb if run.memory else []),
+                    "pss_mb_per_rank": _stats(run.memory.pss_mb if run.memory else []),
+                }
+                for size, run in by_size.items()
+            }
+            for tier, by_size in results.scaling.items()
         },
-        "world_start_s": {"cold": _num(cold), "preloaded": _num(preloaded)},
+        "world_start_s": {
+            "preloaded": {str(s): _num(statistics.median(v)) for s, v in preloaded.items() if v},
+            "cold": {
+                str(s): _num(statistics.median(v)) for s, v in results.cold_start_s.items() if v
+            },
+            "first_forkserver_world_s": _num(results.first_forkserver_start_s or 0.0),
+        },
+        "deadlock": {
+            "end_to_end_ms": {
+                f"p{q}": _num(percentile(results.deadlock_run_ms, q)) for q in PERCENTILES
+            },
+            "reaction_ms": {f"p{q}": _num(percentile(results.deadlock_ms, q)) for q in PERCENTILES},
+            "samples": len(results.deadlock_ms),
+            "sizes": sizes,
+            "torch_default_timeout_s": default_timeout_s(),
+        },
         "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
         "call_cost": _call_cost(results.call_cost),
         "hang_detection": None if results.hang is None else report_section(results.hang),
         "quick": plan.quick,
         "machine": machine_info(),
         "details": {
-            "world_shapes": {str(s): pipeline_world(s).key for s in plan.sizes},
-            "persistent_examples": plan.persistent_examples,
-            "persistent_example_ms": {
-                str(s): _num(v) for s, v in results.persistent_example_ms.items()
+            "world_shapes": {
+                str(s): pipeline_world(s).key
+                for s in sorted({*plan.sizes, *[s for v in plan.scaling_sizes.values() for s in v]})
             },
-            "spawn_example_s": {
-                str(s): [_num(v) for v in vs] for s, vs in results.spawn_example_s.items()
+            "warmup_examples": plan.warmup_examples,
+            "preloaded_start_s": {
+                str(s): [_num(v) for v in vs] for s, vs in sorted(preloaded.items())
             },
             "cold_start_s": {
-                str(s): [_num(v) for v in vs] for s, vs in results.cold_start_s.items()
+                str(s): [_num(v) for v in vs] for s, vs in sorted(results.cold_start_s.items())
             },
-            "preloaded_start_s": {
-                str(s): [_num(v) for v in vs] for s, vs in results.preloaded_start_s.items() if vs
-            },
-            "first_forkserver_world_s": _num(results.first_forkserver_start_s or 0.0),
-            "deadlock_samples": len(results.deadlock_ms),
-            "deadlock_verdict_ms_max": _num(max(results.deadlock_ms)),
-            "deadlock_run_ms_p50": _num(percentile(results.deadlock_run_ms, 50)),
-            "raw_deadline_s": plan.raw_deadline_s,
-            "raw_verdict_ms": {f"p{q}": _num(percentile(results.raw_ms, q)) for q in PERCENTILES},
-            "raw_samples": len(results.raw_ms),
+            "deadlock_reaction_ms_max": _num(max(results.deadlock_ms)),
+            "deadlock_end_to_end_ms_max": _num(max(results.deadlock_run_ms)),
         },
         "leftovers": {
             "rank_pids_started": len(leftovers.pids),
             "world_dirs_started": len(leftovers.directories),
             "surviving_pids": pids,
             "surviving_dirs": directories,
-            "pids": leftovers.pids,
+            "pids": list(leftovers.pids),
             "dirs": leftovers.directories,
         },
         "notes": [
-            "persistent: steady state of one pooled world per shape after "
-            f"{plan.warmup_examples} warm-up example(s); its one-time start is in world_start_s",
-            "spawn: a fresh world per example started with multiprocessing's spawn method "
-            "(each rank imports torch and megatron-core), run, torn down; timed end to end",
-            "both sides run the same synthetic get_moe_metrics examples and judge them with the "
-            "oracle; worlds are pp=2 x dp=size/2, gloo",
-            "deadlock_verdict_ms: Verdict.latency_ms, from the last rank blocking (or its peer "
-            "returning) to the verdict; raw mode can only see the hang at the deadline: its "
-            "figure is wall time from the start of the run to the timeout verdict",
+            "throughput: the same synthetic get_moe_metrics examples in every mode, each judged "
+            "by the oracle; worlds are pp=2 x dp=size/2, gloo. persistent: the steady state of "
+            f"one pooled world per shape after {plan.warmup_examples} warm-up example(s), its "
+            "start not timed; fork_per_example: a fresh world per example forked from the warm "
+            "fork server (start, run, judge, close, all timed); spawn_per_test: one world per "
+            f"size started with the spawn method (each rank imports torch and megatron-core), "
+            f"{plan.examples_per_test} examples run in it, closed, all timed",
+            "speedup: persistent examples/s over the mode's",
+            "scaling: the persistent mode per tier and size; peak_rss_mb_per_rank is VmHWM of "
+            "each rank process after the examples (it counts pages shared with the fork server), "
+            "pss_mb_per_rank its proportional share (shared pages divided among their users); "
+            "start_s the median start of a fresh world of that tier",
+            "world_start_s: preloaded is a world forked from the warm fork server, cold a "
+            "spawned world (World.startup_s, median); first_forkserver_world_s the first world "
+            "of the process, which waits for the fork server to import torch and megatron-core",
+            "deadlock: end_to_end_ms from handing a deadlocking scenario to pool.run until the "
+            "verdict is returned (dispatch, target load, fill, the verdict, unwind); reaction_ms "
+            "Verdict.latency_ms, from the event that makes the deadlock certain to the verdict; "
+            "without pipemetrics a hang like this one blocks until torch's default process-group "
+            "timeout (torch_default_timeout_s, stated, never waited for): see hang_detection",
             "call_cost: get_moe_metrics of the reference and of megatron-core's own report() "
             "(built-in target megatron-core) on the same steps in the same worlds; collectives "
             "and bytes moved into the busiest rank per call from a gated run (the first call "
             "and the steady state apart), steady_ms the median wall time of a steady call in a "
             f"raw run of {plan.cost_steps} steps",
-            "world_start_s: cold is a spawned 4-rank world, preloaded a 4-rank world forked "
-            "from the warm fork server (World.startup_s, median)",
             "hang_detection: per mismatch kind and tool; pipemetrics seconds are the end-to-end "
             "wall time of pool.run in a live gated world (median of the samples), reaction_ms "
             "Verdict.latency_ms; PyTorch seconds run from the later rank's start of the "
@@ -622,62 +919,108 @@ def _fmt_rate(value: float) -> str:
     return f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
+def _fmt_ratio(value: float) -> str:
+    return f"{value:.2g}x" if value < 10 else f"{value:.0f}x"
+
+
+def _fmt_s(value: float) -> str:
+    return f"{1000.0 * value:.0f} ms" if value < 1.0 else f"{value:.2f} s"
+
+
+def _fmt_mb(stats: dict[str, float] | None) -> str:
+    return "n/a" if stats is None else f"{stats['median']:.0f} MB ({stats['max']:.0f})"
+
+
 def table(data: dict[str, Any]) -> str:
-    rates = data["examples_per_s"]
+    """The results as markdown tables, the README's."""
     machine = data["machine"]
+    load = machine.get("loadavg_1min", {})
+    through = data["throughput"]
+    modes = list(through["modes"])
+    first, others = modes[0], modes[1:]
+    rates = through["examples_per_s"]
     lines = [
         f"pipemetrics bench{' --quick' if data['quick'] else ''}: {machine['cores']} cores "
         f"({machine['cpu']}), Python {machine['python']}, torch {machine['torch']}, "
-        f"megatron-core {machine['megatron-core']}",
+        f"megatron-core {machine['megatron-core']}"
+        + (f"; load average {load['start']} at the start, {load['end']} at the end" if load else ""),
         "",
-        "| measure | pipemetrics | baseline | ratio |",
-        "| --- | --- | --- | --- |",
-    ]
-    for size, speedup in data["speedup"].items():
-        lines.append(
-            f"| examples/s, {size} ranks (persistent vs spawn per example) | "
-            f"{_fmt_rate(rates['persistent'][size])} | {_fmt_rate(rates['spawn'][size])} | "
-            f"{speedup:.0f}x |"
-        )
-    dl = data["deadlock_verdict_ms"]
-    raw = data["details"]["raw_verdict_ms"]
-    deadline = data["details"]["raw_deadline_s"]
-    for q in ("p50", "p95"):
-        lines.append(
-            f"| deadlock verdict {q} (gated vs raw, {deadline:g} s deadline) | {dl[q]:.2f} ms | "
-            f"{raw[q]:.0f} ms | {raw[q] / max(dl[q], 1e-3):.0f}x |"
-        )
+        "Throughput, examples/s (the same synthetic get_moe_metrics examples, judged by the "
+        "oracle; worlds pp=2 x dp=ranks/2, gloo)",
+        "",
+        "| ranks | " + " | ".join(through["modes"][m] for m in modes) + " | "
+        + " | ".join(f"ratio: {first} vs {m}" for m in others) + " |",
+        "| --- |" + " --- |" * (len(modes) + len(others)),
+    ]  # fmt: skip
+    for size in (str(s) for s in through["sizes"]):
+        cells = [_fmt_rate(rates[m][size]) if size in rates[m] else "not run" for m in modes]
+        ratios = [
+            _fmt_ratio(through["speedup"][m][size]) if size in through["speedup"][m] else ""
+            for m in others
+        ]
+        lines.append(f"| {size} | " + " | ".join(cells + ratios) + " |")
     start = data["world_start_s"]
-    lines.append(
-        f"| world start, 4 ranks (preloaded vs cold spawn) | {start['preloaded']:.2f} s | "
-        f"{start['cold']:.2f} s | {start['cold'] / start['preloaded']:.0f}x |"
-    )
-    for size, sides in data["call_cost"].items():
-        ours, theirs = sides["reference"], sides["megatron"]
-        lines.append(
-            f"| get_moe_metrics steady call, {size} ranks (reference vs Megatron report()): "
-            f"collectives, bytes, ms | {ours['steady']['collectives']}, "
-            f"{ours['steady']['bytes']} B, {ours['steady_ms']:.2f} ms | "
-            f"{theirs['steady']['collectives']}, {theirs['steady']['bytes']} B, "
-            f"{theirs['steady_ms']:.2f} ms | {sides['steady_extra']['ms_ratio']:.2f}x |"
-        )
-    check = data["check_ci_profile_s"]
-    lines.append(
-        "| pipemetrics check, reference, ci profile | "
-        + ("not run |" if check is None else f"{check:.1f} s |")
-        + " | |"
-    )
-    speedup4 = data["speedup"].get("4")
+    for tier, by_size in data["scaling"].items():
+        lines += [
+            "",
+            f"Scaling, {tier} tier (pooled steady state; memory per rank process after the "
+            "examples: median (max); start: median of fresh worlds)",
+            "",
+            "| ranks | examples/s | peak RSS per rank (VmHWM) | PSS per rank | world start"
+            + (" | cold (spawned) world start |" if tier == "process" else " |"),
+            "| --- | --- | --- | --- | --- |" + (" --- |" if tier == "process" else ""),
+        ]
+        for size, point in by_size.items():
+            row = (
+                f"| {size} | {_fmt_rate(point['examples_per_s'])} | "
+                f"{_fmt_mb(point['peak_rss_mb_per_rank'])} | {_fmt_mb(point['pss_mb_per_rank'])} | "
+                f"{_fmt_s(point['start_s'])} |"
+            )
+            if tier == "process":
+                cold = start["cold"].get(size)
+                row += f" {'not measured' if cold is None else _fmt_s(cold)} |"
+            lines.append(row)
+    dl = data["deadlock"]
+    e2e, reaction = dl["end_to_end_ms"], dl["reaction_ms"]
+    sizes = " and ".join(str(s) for s in dl["sizes"])
     lines += [
         "",
-        "targets: "
-        + (
-            f"speedup at 4 ranks {speedup4:.0f}x (>= {TARGETS['speedup_4']:.0f}x); "
-            if speedup4 is not None
-            else ""
-        )
-        + f"deadlock p95 {dl['p95']:.2f} ms (< {TARGETS['deadlock_p95_ms']:.0f} ms); "
-        f"preloaded 4-rank start {start['preloaded']:.2f} s (< {TARGETS['preloaded_start_4_s']:g} s)",
+        f"Deadlock verdict ({dl['samples']} deadlocking examples, {sizes} ranks, pooled gated "
+        "world): end to end from handing the scenario to pool.run until the verdict is "
+        "returned; reaction from the event that makes the deadlock certain to the verdict",
+        "",
+        "| | p50 | p95 | without pipemetrics |",
+        "| --- | --- | --- | --- |",
+        f"| end to end | {e2e['p50']:.2f} ms | {e2e['p95']:.2f} ms | blocked until torch's "
+        f"default timeout, {dl['torch_default_timeout_s']:g} s (stated, not waited for; "
+        "measured tools: hang detection table) |",
+        f"| reaction | {reaction['p50']:.2f} ms | {reaction['p95']:.2f} ms | |",
+    ]
+    if data["call_cost"]:
+        lines += [
+            "",
+            "get_moe_metrics per call, busiest rank: the reference against megatron-core's "
+            "report() (steady call: collectives, bytes, median wall time in a raw run)",
+            "",
+            "| ranks | reference, first call | reference, steady | report(), every call | "
+            "steady: reference vs report() |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for size, sides in data["call_cost"].items():
+            ours, theirs, extra = sides["reference"], sides["megatron"], sides["steady_extra"]
+            lines.append(
+                f"| {size} | {ours['first']['collectives']} collectives, "
+                f"{ours['first']['bytes']:,} B | {ours['steady']['collectives']} collectives, "
+                f"{ours['steady']['bytes']:,} B, {ours['steady_ms']:.1f} ms | "
+                f"{theirs['steady']['collectives']} collectives, {theirs['steady']['bytes']:,} B, "
+                f"{theirs['steady_ms']:.1f} ms | +{extra['collectives']} collective, "
+                f"+{extra['bytes']} B, {extra['ms_ratio']:.2f}x time |"
+            )
+    check = data["check_ci_profile_s"]
+    lines += [
+        "",
+        "pipemetrics check on the reference, ci profile: "
+        + ("not run" if check is None else f"{check:.1f} s"),
     ]
     return "\n".join(lines)
 
@@ -696,17 +1039,56 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--check-timeout", type=float, default=3600.0, metavar="S",
                         help="limit on the pipemetrics check run (default: %(default)s s)")  # fmt: skip
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help=f"draw the throughput and scaling curves as PNG files in DIR (needs matplotlib: "
+        f"{PLOT_EXTRA})",
+    )
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: print the tables (and --plot the curves) of an earlier --json",
+    )
+
+
+def plotting_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
+    print(table(data))
+    if data["hang_detection"] is not None:
+        print()
+        print(markdown_table(data["hang_detection"]))
+    if plot_dir:
+        from pipemetrics.sim.bench_plot import plot
+
+        for path in plot(data, Path(plot_dir)):
+            _err(f"wrote {path}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    plot_dir: str | None = getattr(args, "plot", None)
+    if plot_dir and not plotting_available():
+        _err(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
+        return 2
+    from_json: str | None = getattr(args, "from_json", None)
+    if from_json:
+        _finish(json.loads(Path(from_json).read_text(encoding="utf-8")), plot_dir)
+        return 0
     plan = make_plan(bool(args.quick), float(args.check_timeout))
     results = Results()
     leftovers = Leftovers()
     load_before = os.getloadavg()
     began = time.perf_counter()
     try:
-        measure_persistent(plan, results, leftovers)
-        measure_spawn(plan, results, leftovers)
+        warm_forkserver(results, leftovers)
+        measure_scaling(plan, results, leftovers)
+        measure_throughput(plan, results, leftovers)
+        measure_starts(plan, results, leftovers)
         measure_deadlock(plan, results, leftovers)
         measure_cost(plan, results, leftovers)
         measure_hang(plan, results, leftovers)
@@ -720,14 +1102,11 @@ def run_bench(args: argparse.Namespace) -> int:
         "start": round(load_before[0], 2),
         "end": round(os.getloadavg()[0], 2),
     }
-    print(table(data))
-    if data["hang_detection"] is not None:
-        print()
-        print(markdown_table(data["hang_detection"]))
-    for note in results.notes:
-        print(f"note: {note}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    _finish(data, plot_dir)
+    for note in results.notes:
+        print(f"note: {note}")
     if data["leftovers"]["surviving_pids"] or data["leftovers"]["surviving_dirs"]:
         _err(f"left behind: {data['leftovers']['surviving_pids']} "
              f"{data['leftovers']['surviving_dirs']}")  # fmt: skip

@@ -3,11 +3,13 @@
 Benchmarks are not timed tests: nothing here compares a number with a threshold (this machine is
 shared and noisy); the targets are reported by the bench, not asserted. What is checked is the
 shape of the JSON, that every figure is a positive number, that each speedup is the ratio of
-the two rates, and that the bench left no rank process or world directory behind.
+the two rates, that ``--plot`` draws PNG files (or names the missing extra before measuring),
+and that the bench left no rank process or world directory behind.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -16,6 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from pipemetrics.sim import bench
+from pipemetrics.sim.bench import plotting_available
 from pipemetrics.sim.hang_detection import measure_pipemetrics
 
 from .conftest import Bounds, TrackingPool, pid_alive
@@ -33,18 +39,17 @@ def positive(value: Any) -> bool:
     )
 
 
+PLOTTING = plotting_available()
+"""matplotlib (the plot extra) is in the dev extra, so CI draws the plots; without it the quick
+run only checks the JSON."""
+BENCH = [sys.executable, "-m", "pipemetrics.properties.cli", "bench"]
+
+
 def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) -> None:
     out = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipemetrics.properties.cli",
-            "bench",
-            "--quick",
-            "--json",
-            str(out),
-        ],
+        [*BENCH, "--quick", "--json", str(out), *(["--plot", str(plots)] if PLOTTING else [])],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -55,26 +60,58 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     data = json.loads(out.read_text(encoding="utf-8"))
 
     contract = {
-        "examples_per_s", "speedup", "deadlock_verdict_ms", "world_start_s", "check_ci_profile_s",
-        "call_cost",
+        "throughput", "scaling", "world_start_s", "deadlock", "check_ci_profile_s", "call_cost",
+        "hang_detection", "machine", "leftovers",
     }  # fmt: skip
     assert contract <= set(data)
-    rates = data["examples_per_s"]
-    assert set(rates) == {"persistent", "spawn"}
-    assert set(rates["persistent"]) == QUICK_SIZES
-    assert set(rates["spawn"]) == QUICK_SIZES
-    assert set(data["speedup"]) == QUICK_SIZES
-    for size in QUICK_SIZES:
-        persistent, spawn, speedup = (
-            rates["persistent"][size], rates["spawn"][size], data["speedup"][size],
-        )  # fmt: skip
-        assert positive(persistent) and positive(spawn) and positive(speedup), (size, data)
-        assert math.isclose(speedup, persistent / spawn, rel_tol=1e-2), (size, data)
-    assert set(data["deadlock_verdict_ms"]) == {"p50", "p95"}
-    assert all(positive(v) for v in data["deadlock_verdict_ms"].values()), data
-    assert data["deadlock_verdict_ms"]["p50"] <= data["deadlock_verdict_ms"]["p95"]
-    assert set(data["world_start_s"]) == {"cold", "preloaded"}
-    assert all(positive(v) for v in data["world_start_s"].values()), data
+    through = data["throughput"]
+    modes = list(through["modes"])
+    assert modes[0] == "persistent" and {"fork_per_example", "spawn_per_test"} <= set(modes)
+    assert all(isinstance(label, str) and label for label in through["modes"].values())
+    assert positive(through["examples_per_test"]) and isinstance(through["examples_per_test"], int)
+    assert {str(s) for s in through["sizes"]} == QUICK_SIZES
+    rates = through["examples_per_s"]
+    assert set(rates) == set(modes) and set(through["speedup"]) == set(modes[1:])
+    for mode in modes:
+        assert set(rates[mode]) == QUICK_SIZES, mode
+        assert set(through["examples"][mode]) == QUICK_SIZES, mode
+        assert all(positive(n) for n in through["examples"][mode].values()), mode
+        for size in QUICK_SIZES:
+            assert positive(rates[mode][size]), (mode, size, data)
+            if mode != "persistent":
+                speedup = through["speedup"][mode][size]
+                assert positive(speedup), (mode, size)
+                assert math.isclose(
+                    speedup, rates["persistent"][size] / rates[mode][size], rel_tol=1e-2
+                ), (mode, size, data)
+    for key in ("peak_rss_mb_per_rank", "pss_mb_per_rank"):
+        assert set(through[key]["persistent"]) == QUICK_SIZES, key
+        for mode, by_size in through[key].items():
+            assert mode in modes, (key, mode)
+            for stats in by_size.values():
+                assert positive(stats["median"]) and stats["median"] <= stats["max"], (key, mode)
+
+    scaling = data["scaling"]
+    assert set(scaling["process"]) == QUICK_SIZES
+    for size, point in scaling["process"].items():
+        assert point["examples_per_s"] == rates["persistent"][size], size
+        assert positive(point["start_s"]), size
+        for key in ("peak_rss_mb_per_rank", "pss_mb_per_rank"):
+            stats = point[key]
+            assert positive(stats["median"]) and stats["median"] <= stats["max"], (size, key)
+
+    start = data["world_start_s"]
+    assert set(start["preloaded"]) == QUICK_SIZES and set(start["cold"]) == QUICK_SIZES
+    assert all(positive(v) for v in [*start["preloaded"].values(), *start["cold"].values()])
+    assert positive(start["first_forkserver_world_s"])
+
+    deadlock = data["deadlock"]
+    for key in ("end_to_end_ms", "reaction_ms"):
+        assert set(deadlock[key]) == {"p50", "p95"}, key
+        assert all(positive(v) for v in deadlock[key].values()), (key, deadlock)
+        assert deadlock[key]["p50"] <= deadlock[key]["p95"], (key, deadlock)
+    assert deadlock["reaction_ms"]["p50"] <= deadlock["end_to_end_ms"]["p95"]
+    assert positive(deadlock["samples"]) and positive(deadlock["torch_default_timeout_s"])
     assert data["check_ci_profile_s"] is None, "--quick skips the check run"
     assert data["quick"] is True
 
@@ -125,14 +162,42 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert positive(machine["cores"])
     assert all(isinstance(machine[k], str) for k in ("python", "torch", "megatron-core"))
 
-    assert "examples/s" in done.stdout and "deadlock verdict" in done.stdout
-    assert "get_moe_metrics steady call" in done.stdout
+    assert "Throughput, examples/s" in done.stdout and "Deadlock verdict" in done.stdout
+    assert "Scaling, process tier" in done.stdout and "get_moe_metrics per call" in done.stdout
+
+    if PLOTTING:
+        for name in ("throughput.png", "scaling.png"):
+            assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        again = subprocess.run(
+            [*BENCH, "--from-json", str(out), "--plot", str(tmp_path / "again")],
+            cwd=tmp_path, capture_output=True, text=True, timeout=bounds(5, 120), check=False,
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert again.stdout.strip() in done.stdout, "--from-json prints the run's tables"
+        assert sorted(p.name for p in (tmp_path / "again").iterdir()) == [
+            "scaling.png", "throughput.png",
+        ]  # fmt: skip
 
     left = data["leftovers"]
     assert left["rank_pids_started"] > 0 and left["world_dirs_started"] > 0
     assert left["surviving_pids"] == [] and left["surviving_dirs"] == []
     assert not [pid for pid in left["pids"] if pid_alive(pid)]
     assert not [d for d in left["dirs"] if os.path.exists(d)]
+
+
+def test_plot_without_matplotlib_names_the_extra_before_measuring(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(bench, "plotting_available", lambda: False)
+    measured: list[str] = []
+    monkeypatch.setattr(bench, "warm_forkserver", lambda *_: measured.append("started"))
+    parser = argparse.ArgumentParser()
+    bench.add_bench_arguments(parser)
+    args = parser.parse_args(["--quick", "--plot", str(tmp_path / "plots")])
+    assert bench.run_bench(args) == 2
+    error = capsys.readouterr().err
+    assert "matplotlib" in error and "pipemetrics[plot]" in error, error
+    assert measured == [] and not (tmp_path / "plots").exists()
 
 
 def test_a_shape_mismatch_is_a_mismatch_verdict(pool: TrackingPool) -> None:
