@@ -66,7 +66,7 @@ from pipemetrics.sim.hang_detection import (
 )
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.pool import LiveWorld, WorldPool
+from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import coordinates
