@@ -96,7 +96,7 @@ class Bound(Frozen):
     """What ``prove`` enumerates (see the module doc for what each case fixes)."""
 
     max_pp: int = Field(default=4, ge=1, le=8)
-    max_world: int = Field(default=8, ge=1, le=64)
+    max_world: int = Field(default=4, ge=1, le=64)
     parallel_sizes: tuple[int, ...] = (1, 2)
     """The sizes ``tp``, ``cp`` and ``dp`` each take."""
     steps: int = Field(default=2, ge=1, le=3)

@@ -23,10 +23,10 @@ from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
-CONTRACT_KEYS = {"target", "profile", "conformant", "properties"}
+CONTRACT_KEYS = {"target", "profile", "tier", "conformant", "properties"}
 ENTRY_KEYS = {
     "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
-    "cites",
+    "confirmed", "cites",
 }  # fmt: skip
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.value_error"]
 
