@@ -114,6 +114,13 @@ def payload_bytes(op: str, arguments: dict[str, Any]) -> int:
     return total
 
 
+@functools.lru_cache(maxsize=4096)
+def _skipped(path: str) -> bool:
+    """Whether frames of ``path`` are left out of a call site (pure: cached per file)."""
+    normalised = path.replace("\\", "/")
+    return any(skip in normalised for skip in _SKIP_FRAMES)
+
+
 def call_site(limit: int = 4) -> tuple[str, ...]:
     """Innermost-first frames of the caller, skipping torch.distributed and the simulator.
 
@@ -123,8 +130,8 @@ def call_site(limit: int = 4) -> tuple[str, ...]:
     frame = sys._getframe(1)
     while frame is not None and len(frames) < limit:
         code = frame.f_code
-        path = code.co_filename.replace("\\", "/")
-        if not any(skip in path for skip in _SKIP_FRAMES):
+        if not _skipped(code.co_filename):
+            path = code.co_filename.replace("\\", "/")
             frames.append(f"{path}:{frame.f_lineno} in {code.co_name}")
         frame = frame.f_back  # type: ignore[assignment]
     return tuple(frames)

@@ -16,9 +16,11 @@ is swapped with the rank, so module-level state of the target is never shared be
 from __future__ import annotations
 
 import copy
+import operator
 import sys
 import sysconfig
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,11 +77,18 @@ def private_module(module: types.ModuleType) -> bool:
 
 @dataclass
 class RankGlobals:
-    """One rank's values of every slot, and its copies of the target's modules."""
+    """One rank's values of every slot, and its copies of the target's modules.
+
+    A module's slots are written with one ``dict.update`` of its namespace and read with one
+    ``itemgetter`` (the scheduler swaps them at every switch); a class attribute with
+    ``setattr``."""
 
     slots: list[Slot]
     values: list[Any] = field(default_factory=list)
     modules: dict[str, types.ModuleType] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._plan = _swap_plan(self.slots)
 
     @classmethod
     def fresh(cls, slots: list[Slot], pristine: list[Any]) -> RankGlobals:
@@ -93,8 +102,11 @@ class RankGlobals:
 
     def restore(self, private: set[str]) -> None:
         """Make the process's globals this rank's."""
-        for (owner, name), value in zip(self.slots, self.values, strict=True):
-            setattr(owner, name, value)
+        values = self.values
+        for namespace, names, indices, _ in self._plan.modules:
+            namespace.update(zip(names, [values[i] for i in indices], strict=True))
+        for owner, name, index in self._plan.attributes:
+            setattr(owner, name, values[index])
         for name in private:
             module = self.modules.get(name)
             if module is None:
@@ -104,13 +116,44 @@ class RankGlobals:
 
     def capture(self, private: set[str]) -> None:
         """Take this rank's values back from the process's globals."""
-        self.values = [getattr(owner, name) for owner, name in self.slots]
+        values = self.values if self.values else [None] * len(self.slots)
+        for namespace, _names, indices, read in self._plan.modules:
+            got = read(namespace)
+            for index, value in zip(indices, got if len(indices) > 1 else (got,), strict=True):
+                values[index] = value
+        for owner, name, index in self._plan.attributes:
+            values[index] = getattr(owner, name)
+        self.values = values
         for name in private:
             module = sys.modules.get(name)
             if module is None:
                 self.modules.pop(name, None)
             else:
                 self.modules[name] = module
+
+
+@dataclass(frozen=True)
+class _SwapPlan:
+    modules: list[tuple[dict[str, Any], list[str], list[int], Callable[[Any], Any]]]
+    """Per module: its namespace, the slot names, their indices in the values, a reader."""
+    attributes: list[tuple[object, str, int]]
+    """Slots on other objects (a class attribute): owner, name, index."""
+
+
+def _swap_plan(slots: list[Slot]) -> _SwapPlan:
+    by_module: dict[int, tuple[dict[str, Any], list[str], list[int]]] = {}
+    attributes: list[tuple[object, str, int]] = []
+    for index, (owner, name) in enumerate(slots):
+        if isinstance(owner, types.ModuleType):
+            _, names, indices = by_module.setdefault(id(owner), (vars(owner), [], []))
+            names.append(name)
+            indices.append(index)
+        else:
+            attributes.append((owner, name, index))
+    modules: list[tuple[dict[str, Any], list[str], list[int], Callable[[Any], Any]]] = [
+        (ns, names, idx, operator.itemgetter(*names)) for ns, names, idx in by_module.values()
+    ]
+    return _SwapPlan(modules, attributes)
 
 
 def _fresh(value: Any) -> Any:
