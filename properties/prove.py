@@ -12,7 +12,8 @@ functions' collective structure and values can depend on, within a `Bound`:
   listed with a zero coefficient, which records nothing), ``z_loss`` on and off;
 * ``track_names`` as ``None`` and as the live names; two steps, each recording and then calling
   ``get_moe_metrics`` (per-layer logging on, ``total_loss_dict`` carried over, ``loss_scale``
-  0.5) and, where MTP layers exist, ``get_mtp_metrics`` (``loss_scale`` 0.5).
+  0.5) and, where MTP layers exist, ``get_mtp_metrics`` (``loss_scale`` 0.5), in that order in
+  the first step and the other order in the second (judged by ``steps.interleaved`` too).
 
 Two families keep the count finite without losing a structure: ``layouts`` crosses every world
 shape with every stage pattern, MTP kind and ``track_names`` form under one routing (every name
@@ -25,12 +26,15 @@ names exist (enumerated in ``routing`` against every stage pattern), and the wor
 *which ranks* share a group (enumerated in ``layouts``). Values are fixed but distinct per rank,
 microbatch, tracker slot and name (`distinct_value`), so a swap, a dilution, a double scaling
 or a wrong denominator changes a result; ``loss_scale`` is 0.5, so a scaling done twice or not
-at all shows. ``broadcast`` crosses the world shapes of up to two stages (a group's members do not
+at all shows. ``flexible`` adds Megatron's ``pipeline_model_parallel_layout``: every assignment of no layer,
+a dense or an MoE layer to the virtual stages of pp 2 with 2 chunks per rank, and the MTP layer
+(dense or MoE) standalone in the last chunk of a pipeline rank that is not the last (pp 2 and
+3), in worlds of dp 1 and 2 (a decoder after the MTP layer is a layout Megatron rejects).
+``broadcast`` crosses the world shapes of up to two stages (a group's members do not
 depend on what the stages hold) with every group role of two or more members, the first and
 the last member as source, three dtypes, a scalar and a transposed (non-contiguous) 2x3 source,
-and receivers passing None or a buffer. Not enumerated yet: virtual pipelines and
-``pipeline_model_parallel_layout`` layouts, more than one layer per stage, ``new_group``
-groups, invalid buffers.
+and receivers passing None or a buffer. Not enumerated yet: more than one layer per (virtual)
+stage, more than two chunks per rank, ``new_group`` groups, invalid buffers.
 
 A model without any MoE layer (no router anywhere) is not a case: nothing is recorded and
 no MoE configuration reaches these functions. Each case is one `Scenario`, judged by every seed-profile property its calls concern (the same
@@ -63,6 +67,7 @@ from pipemetrics.sim.layout import (
     AUX_LOSS_TYPES,
     ExplicitSplit,
     Frozen,
+    LayoutSplit,
     ModelLayout,
     RoutingType,
     Setup,
@@ -75,7 +80,7 @@ from pipemetrics.sim.topology import places_for
 
 StageKind = Literal["empty", "dense", "moe"]
 MtpKind = Literal["none", "dense", "moe"]
-Family = Literal["layouts", "routing", "broadcast"]
+Family = Literal["layouts", "routing", "flexible", "broadcast"]
 
 LOSS_SCALE = 0.5
 MOE_PROPERTIES = (
@@ -90,6 +95,8 @@ MOE_PROPERTIES = (
 )
 MTP_PROPERTIES = ("mtp.no_hang", "mtp.keys", "mtp.loss_scale", "mtp.acceptance_rate", "mtp.reset")
 ROUTING_WORLD = WorldSpec(pp=2, dp=2)
+FLEXIBLE_SHAPES = ((2, 1), (2, 2), (3, 1))
+"""(pp, vpp) of the flexible family: virtual stages, and a standalone MTP stage."""
 
 
 class Bound(Frozen):
@@ -121,15 +128,38 @@ class Case(Frozen):
     """One more aux-loss type listed with coefficient 0 (the router records nothing for it)."""
     z_loss: bool
     track_names: Literal["none", "live"]
+    vpp: int = 1
+    """Virtual stages per pipeline rank: ``stages`` then lists the ``pp * vpp`` virtual stages
+    in Megatron's order (chunk 0 of every rank, then chunk 1, ...)."""
+    mtp_rank: int | None = None
+    """The pipeline rank whose last chunk holds the MTP layer (None: the last rank); a standalone
+    MTP stage when it is not the last."""
 
     @property
     def key(self) -> str:
         w = self.world
+        shape = f"tp{w.tp}cp{w.cp}dp{w.dp}ep{w.ep}pp{w.pp}" + (f"vpp{self.vpp}" * (self.vpp > 1))
+        mtp_at = "" if self.mtp_rank is None else f"@{self.mtp_rank}"
         return (
-            f"{self.family}|tp{w.tp}cp{w.cp}dp{w.dp}ep{w.ep}pp{w.pp}|{''.join(s[0] for s in self.stages)}"
-            f"|mtp-{self.mtp}|{'+'.join(self.routing) or '-'}|zero-{self.zero_coefficient or '-'}"
-            f"|z{int(self.z_loss)}|names-{self.track_names}"
+            f"{self.family}|{shape}|{''.join(s[0] for s in self.stages)}"
+            f"|mtp-{self.mtp}{mtp_at}|{'+'.join(self.routing) or '-'}"
+            f"|zero-{self.zero_coefficient or '-'}|z{int(self.z_loss)}|names-{self.track_names}"
         )
+
+    def _split(self) -> ExplicitSplit | LayoutSplit:
+        """One layer per non-empty stage: an explicit split, or Megatron's layout string when
+        there are virtual stages or a standalone MTP stage."""
+        layers = [0 if kind == "empty" else 1 for kind in self.stages]
+        if self.vpp == 1 and self.mtp_rank is None:
+            return ExplicitSplit(layers=layers)
+        pp = self.world.pp
+        text = ["t" * n for n in layers]
+        if self.mtp != "none":
+            rank = pp - 1 if self.mtp_rank is None else self.mtp_rank
+            text[(self.vpp - 1) * pp + rank] += "m"
+        text[0] = "E" + text[0]
+        text[-1] += "L"
+        return LayoutSplit(layout="|".join(text))
 
     def setup(self) -> Setup:
         types = [*self.routing]
@@ -137,10 +167,9 @@ class Case(Frozen):
         if self.zero_coefficient is not None:
             types.append(self.zero_coefficient)
             coeffs.append(0.0)
-        layers = [0 if kind == "empty" else 1 for kind in self.stages]
         layout = ModelLayout(
-            num_layers=sum(layers),
-            split=ExplicitSplit(layers=layers),
+            num_layers=sum(kind != "empty" for kind in self.stages),
+            split=self._split(),
             moe_layer_freq=[1 if kind == "moe" else 0 for kind in self.stages if kind != "empty"],
             mtp_num_layers=0 if self.mtp == "none" else 1,
             mtp_is_moe=self.mtp == "moe",
@@ -166,12 +195,16 @@ class Case(Frozen):
         ]
         if layout.mtp_num_layers:
             calls.append(MtpCall(loss_scale=LOSS_SCALE))
+
+        def order(step: int) -> list[CallSpec]:
+            return calls if step % 2 == 0 else calls[::-1]  # both orders of the two functions
+
         return Scenario(
             setup=setup,
             target=target,
             steps=[
-                Step(records=step_records(setup, _moe_value(step), _mtp_value(step)), calls=calls)
-                for step in range(steps)
+                Step(records=step_records(setup, _moe_value(s), _mtp_value(s)), calls=order(s))
+                for s in range(steps)
             ],
             deadline_s=60.0,
             profile="seed",
@@ -181,11 +214,12 @@ class Case(Frozen):
         """The canonical order: smaller worlds, fewer stages and layers first, then the key;
         so the first failing case is a smallest one."""
         layers = sum(kind != "empty" for kind in self.stages) + (self.mtp != "none")
-        return (self.world.world_size, self.world.pp, layers, self.key)
+        return (self.world.world_size, self.world.pp * self.vpp, layers, self.key)
 
     @property
     def properties(self) -> tuple[str, ...]:
-        return MOE_PROPERTIES + (MTP_PROPERTIES if self.mtp != "none" else ())
+        both = (*MTP_PROPERTIES, "steps.interleaved")
+        return MOE_PROPERTIES + (both if self.mtp != "none" else ())
 
     @property
     def classes(self) -> list[str]:
@@ -195,6 +229,8 @@ class Case(Frozen):
             f"pp:{self.world.pp}",
             f"world:{self.world.world_size}",
             f"mtp:{self.mtp}",
+            *([f"vpp:{self.vpp}"] if self.vpp > 1 else []),
+            *(["mtp:standalone"] if self.mtp_rank is not None else []),
         ]
 
 
@@ -331,6 +367,21 @@ def enumerate_cases(bound: Bound) -> list[AnyCase]:
         ):
             _add(cases, Case(family="layouts", world=world, stages=stages, mtp=mtp,
                              routing=everything, z_loss=True, track_names=names))  # fmt: skip
+    for pp, vpp in FLEXIBLE_SHAPES:
+        if pp > bound.max_pp:
+            continue
+        for dp in bound.parallel_sizes:
+            world = WorldSpec(pp=pp, dp=dp)
+            if world.world_size > bound.max_world:
+                continue
+            for stages, mtp in itertools.product(stage_patterns(pp * vpp), mtps):
+                ranks: list[int | None] = [None] if mtp == "none" else [None, *range(pp - 1)]
+                for mtp_rank in ranks:
+                    if vpp == 1 and mtp_rank is None:
+                        continue  # a layouts case
+                    _add(cases, Case(family="flexible", world=world, stages=stages, mtp=mtp,
+                                     routing=everything, z_loss=True, track_names="none",
+                                     vpp=vpp, mtp_rank=mtp_rank))  # fmt: skip
     for world in world_shapes(bound):
         if world.pp > 2:
             continue  # a group's members are the same whatever the stages hold

@@ -127,6 +127,8 @@ class Plan:
     check_timeout_s: float
     cost_steps: int
     """Steps of each raw run that times a steady ``get_moe_metrics`` call."""
+    wide_cost_sizes: tuple[int, ...]
+    """World sizes whose call cost is counted on the in-process tier (collectives and bytes)."""
     hang_kinds: tuple[MismatchKind, ...]
     hang_tools: tuple[Tool, ...]
     hang_samples: int
@@ -154,6 +156,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
             run_check=False,
             check_timeout_s=check_timeout_s,
             cost_steps=4,
+            wide_cost_sizes=(4,),
             hang_kinds=("shape", "reduce_op", "skipped"),
             hang_tools=("pipemetrics", "detail_short"),
             hang_samples=1,
@@ -171,6 +174,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         run_check=True,
         check_timeout_s=check_timeout_s,
         cost_steps=30,
+        wide_cost_sizes=(16, 32, 64, 128, 256),
         hang_kinds=tuple(KINDS),
         hang_tools=("pipemetrics", *TORCH_TOOLS),
         hang_samples=5,
@@ -539,6 +543,8 @@ class Results:
     deadlock_run_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
     call_cost: list[CallCost] = field(default_factory=list)
+    call_cost_wide: list[CallCost] = field(default_factory=list)
+    """Collectives and bytes only, counted on the in-process tier."""
     hang: HangDetection | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -649,11 +655,18 @@ def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             )
         except RuntimeError as exc:
             raise BenchError(f"call cost: {exc}") from exc
-    for cost in results.call_cost:
+    with WorldPool(max_ranks=1, tier="inprocess") as pool:  # one host at a time
+        try:
+            results.call_cost_wide = measure_call_cost(
+                list(plan.wide_cost_sizes), pool, timed_steps=0, deadline_s=10 * DEADLINE_S
+            )
+        except RuntimeError as exc:
+            raise BenchError(f"call cost (in-process): {exc}") from exc
+    for cost in [*results.call_cost, *results.call_cost_wide]:
+        timed = "" if cost.steady_ms is None else f", {cost.steady_ms:.2f} ms"
         _err(
             f"call cost {cost.world_size} ranks, {cost.target}: steady "
-            f"{cost.steady.collectives} collectives, {cost.steady.bytes} B, "
-            f"{cost.steady_ms:.2f} ms"
+            f"{cost.steady.collectives} collectives, {cost.steady.bytes} B{timed}"
         )
 
 
@@ -833,6 +846,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         },
         "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
         "call_cost": _call_cost(results.call_cost),
+        "call_cost_wide": _call_cost(results.call_cost_wide),
         "hang_detection": None if results.hang is None else report_section(results.hang),
         "quick": plan.quick,
         "machine": machine_info(),
@@ -884,7 +898,9 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "(built-in target megatron-core) on the same steps in the same worlds; collectives "
             "and bytes moved into the busiest rank per call from a gated run (the first call "
             "and the steady state apart), steady_ms the median wall time of a steady call in a "
-            f"raw run of {plan.cost_steps} steps",
+            f"raw run of {plan.cost_steps} steps; call_cost_wide the same collectives and bytes "
+            "counted on the in-process tier (every rank in one process, no real backend: no "
+            "time)",
             "hang_detection: per mismatch kind and tool; pipemetrics seconds are the end-to-end "
             "wall time of pool.run in a live gated world (median of the samples), reaction_ms "
             "Verdict.latency_ms; PyTorch seconds run from the later rank's start of the "
@@ -903,16 +919,25 @@ def _call_cost(costs: list[CallCost]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for cost in costs:
         side = cost.model_dump(exclude={"target", "world_size"})
-        side["steady_ms"] = _num(cost.steady_ms)
+        side["steady_ms"] = None if cost.steady_ms is None else _num(cost.steady_ms)
         out.setdefault(str(cost.world_size), {})[cost.target] = side
     for sides in out.values():
         ours, theirs = sides["reference"], sides["megatron"]
+        timed = ours["steady_ms"] is not None and theirs["steady_ms"] is not None
         sides["steady_extra"] = {
             "collectives": ours["steady"]["collectives"] - theirs["steady"]["collectives"],
             "bytes": ours["steady"]["bytes"] - theirs["steady"]["bytes"],
-            "ms_ratio": _num(ours["steady_ms"] / theirs["steady_ms"]),
+            "ms_ratio": _num(ours["steady_ms"] / theirs["steady_ms"]) if timed else None,
         }
     return out
+
+
+def _ms(value: float | None) -> str:
+    return "not timed (in-process)" if value is None else f"{value:.1f} ms"
+
+
+def _ratio_text(value: float | None) -> str:
+    return "not timed" if value is None else f"{value:.2f}x time"
 
 
 def _fmt_rate(value: float) -> str:
@@ -1006,15 +1031,15 @@ def table(data: dict[str, Any]) -> str:
             "steady: reference vs report() |",
             "| --- | --- | --- | --- | --- |",
         ]
-        for size, sides in data["call_cost"].items():
+        for size, sides in [*data["call_cost"].items(), *data.get("call_cost_wide", {}).items()]:
             ours, theirs, extra = sides["reference"], sides["megatron"], sides["steady_extra"]
             lines.append(
                 f"| {size} | {ours['first']['collectives']} collectives, "
                 f"{ours['first']['bytes']:,} B | {ours['steady']['collectives']} collectives, "
-                f"{ours['steady']['bytes']:,} B, {ours['steady_ms']:.1f} ms | "
+                f"{ours['steady']['bytes']:,} B, {_ms(ours['steady_ms'])} | "
                 f"{theirs['steady']['collectives']} collectives, {theirs['steady']['bytes']:,} B, "
-                f"{theirs['steady_ms']:.1f} ms | +{extra['collectives']} collective, "
-                f"+{extra['bytes']} B, {extra['ms_ratio']:.2f}x time |"
+                f"{_ms(theirs['steady_ms'])} | +{extra['collectives']} collective, "
+                f"+{extra['bytes']} B, {_ratio_text(extra['ms_ratio'])} |"
             )
     check = data["check_ci_profile_s"]
     lines += [

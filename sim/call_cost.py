@@ -10,7 +10,9 @@ the document's pre-initialising arguments. Megatron's side is the built-in targe
   a tensor collective's tensor, and for ``all_gather_object`` every member's pickled object.
   The first call and the steady state (every later call) are reported apart, as the maximum
   over ranks (the stages differ).
-* ``ms``, the median wall time of a steady call in a raw run (real gloo, nothing gated).
+* ``ms``, the median wall time of a steady call in a raw run (real gloo, nothing gated); none
+  on the in-process tier (no real backend runs there), which counts collectives and bytes in
+  worlds too wide for processes on one machine.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class CallCost(BaseModel):
     world_size: int
     first: CallTraffic
     steady: CallTraffic
-    steady_ms: float
+    steady_ms: float | None
+    """None: counted on the in-process tier, not timed."""
 
 
 def cost_scenario(spec: WorldSpec, target: str, steps: int, deadline_s: float) -> Scenario:
@@ -119,14 +122,18 @@ def traffic(reports: dict[int, list[CallReport]], step: int) -> CallTraffic:
 def measure_call_cost(
     sizes: list[int], pool: WorldPool, *, timed_steps: int, deadline_s: float = 60.0
 ) -> list[CallCost]:
-    """Both targets at each size of ``sizes`` (worlds pp=2 x dp=size/2)."""
+    """Both targets at each size of ``sizes`` (worlds pp=2 x dp=size/2), on the pool's tier."""
     costs = []
     for size in sizes:
         spec = WorldSpec(pp=2, dp=size // 2)
         for label, target in TARGETS:
             gated = _reports(cost_scenario(spec, target, 3, deadline_s), pool, gate=True)
-            raw = _reports(cost_scenario(spec, target, timed_steps, deadline_s), pool, gate=False)
-            seconds = [r.seconds for reports in raw.values() for r in reports if r.step > 0]
+            seconds: list[float] = []
+            if pool.tier == "process":
+                raw = _reports(
+                    cost_scenario(spec, target, timed_steps, deadline_s), pool, gate=False
+                )
+                seconds = [r.seconds for reports in raw.values() for r in reports if r.step > 0]
             steady = [traffic(gated, step) for step in (1, 2)]
             costs.append(
                 CallCost(
@@ -137,7 +144,7 @@ def measure_call_cost(
                         collectives=max(t.collectives for t in steady),
                         bytes=max(t.bytes for t in steady),
                     ),
-                    steady_ms=1000.0 * statistics.median(seconds),
+                    steady_ms=1000.0 * statistics.median(seconds) if seconds else None,
                 )
             )
     return costs

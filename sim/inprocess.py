@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import signal
 import sys
 import threading
 import time
@@ -37,7 +36,6 @@ from types import FrameType, ModuleType
 from typing import Any
 
 import greenlet
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -46,7 +44,7 @@ from pipemetrics.sim.coordinator import Coordinator, Verdict
 from pipemetrics.sim.interpose import COLLECTIVES, Interposer
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.protocol import CollectiveCall, Done, HostReady, HostResult, Shutdown, Task
-from pipemetrics.sim.rank import RankServer, SimAbort, join_world
+from pipemetrics.sim.rank import RankServer, SimAbort, join_world, orphaned_exit, run_child
 from pipemetrics.sim.rank_globals import RankGlobals, pristine_values, private_module, rank_slots
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
@@ -481,18 +479,9 @@ def host_main(
     leftovers: list[str],
 ) -> None:
     """Entry point of the host process of an in-process world."""
-    from pipemetrics.sim import rank as rank_module
-
     began = time.monotonic()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    rank_module._die_with(controller_pid, leftovers)
-    try:
-        stacks = rank_module._redirect_output(directory, "host")
-    except OSError:
-        os._exit(1)
-    code = 0
-    try:
-        torch.set_num_threads(1)
+
+    def serve() -> None:
         host = InProcessHost(WorldSpec.model_validate_json(spec_json))
         conn.send(
             HostReady(places=host.places, pid=os.getpid(), startup_s=time.monotonic() - began)
@@ -502,23 +491,15 @@ def host_main(
             try:
                 message = conn.recv()
             except (EOFError, OSError):
-                rank_module._orphaned_exit(leftovers)
-                return
+                orphaned_exit(leftovers)
             if isinstance(message, Shutdown):
-                break
+                return
             if isinstance(message, Task):
                 result = _run_or_report(host, message, watchdog)
                 if result is not watchdog.sent:
                     conn.send(result)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        stacks.close()
-        rank_module._exit_if_orphaned(controller_pid, leftovers)
-    os._exit(code)
+
+    run_child(directory, "host", controller_pid, leftovers, serve)
 
 
 __all__ = ["InProcessHost", "InProcessStartError", "host_main"]

@@ -16,12 +16,9 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import tempfile
 import time
-import weakref
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
-from types import TracebackType
 from typing import Any
 
 from pipemetrics.sim.coordinator import Verdict
@@ -32,11 +29,11 @@ from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import (
     STACK_DUMP_WAIT_S,
     RankResult,
+    WorldBase,
     WorldRun,
     WorldStartError,
     _check_socket_room,
     _forkserver_directory,
-    _kill_all,
     _RankProcess,
     fork_context,
     signals_held,
@@ -47,7 +44,7 @@ ANSWER_MARGIN_S = 10.0
 watchdog reports one second after the deadline; unwinding may take the host's grace period)."""
 
 
-class InProcessWorld:
+class InProcessWorld(WorldBase):
     """A live world of ``spec.world_size`` ranks in one host process. Use as a context manager."""
 
     tier = "inprocess"
@@ -64,21 +61,7 @@ class InProcessWorld:
         self._proc: Any = None
         self._conn: Connection | None = None
         self._closed = False
-        with signals_held():
-            self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-inprocess-")
-            self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
-
-    def __enter__(self) -> InProcessWorld:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        super().__init__("pipemetrics-world-inprocess-")
 
     @property
     def alive(self) -> bool:
@@ -112,13 +95,12 @@ class InProcessWorld:
             self._proc.start()
             theirs.close()
             self._conn = ours
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _kill_all, self.pids, self.directory)
+            self._track(self.pids)
             ready = self._receive(self.start_timeout_s)
             if not isinstance(ready, HostReady):
                 raise WorldStartError(
                     f"the in-process host of {self.spec.key} did not start: "
-                    f"{self._why_silent(ready)}. Host log: {self._log_tail()!r}"
+                    f"{self._why_silent(ready)}. Host log: {self._log_tail('host')!r}"
                 )
             self.places = ready.places
         except BaseException:
@@ -166,7 +148,7 @@ class InProcessWorld:
             done, released, reusable = {}, 0, False
         assert isinstance(verdict, Verdict)
         failed = verdict.kind != "ok"
-        tail = self._log_tail() if failed else ""
+        tail = self._log_tail("host") if failed else ""
         ranks = {
             rank: RankResult(place=place, done=done.get(rank), log_tail=tail)
             for rank, place in self.places.items()
@@ -242,16 +224,6 @@ class InProcessWorld:
         with contextlib.suppress(OSError), open(path, encoding="utf-8", errors="replace") as f:
             return f.read()[-6000:]
         return ""
-
-    def _log_tail(self, limit: int = 2000) -> str:
-        path = os.path.join(self.directory, "host.log")
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                handle.seek(max(0, handle.tell() - limit))
-                return handle.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
 
 
 __all__ = ["InProcessWorld"]

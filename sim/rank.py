@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from types import ModuleType
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy
 import torch
@@ -458,7 +458,8 @@ def _controller_alive(pid: int) -> bool:
     return True
 
 
-def _orphaned_exit(leftovers: list[str]) -> None:
+def orphaned_exit(leftovers: list[str]) -> NoReturn:
+    """Remove what the vanished controller can no longer remove, and exit."""
     for directory in leftovers:
         shutil.rmtree(directory, ignore_errors=True)
     os._exit(70)
@@ -466,7 +467,7 @@ def _orphaned_exit(leftovers: list[str]) -> None:
 
 def _exit_if_orphaned(controller_pid: int, leftovers: list[str]) -> None:
     if not _controller_alive(controller_pid):
-        _orphaned_exit(leftovers)
+        orphaned_exit(leftovers)
 
 
 def _die_with(controller_pid: int, leftovers: list[str]) -> None:
@@ -493,6 +494,43 @@ def _redirect_output(directory: str, name: str) -> Any:
     return stacks
 
 
+def run_child(
+    directory: str,
+    name: str,
+    controller_pid: int,
+    leftovers: list[str],
+    body: Callable[[], None],
+) -> None:
+    """What every child process of a world runs around its ``body`` (a rank, or the in-process
+    tier's host): SIGINT ignored (the controller handles Ctrl-C), a watchdog that ends it with
+    its controller, its output and stack dumps in ``name.log``/``name.stacks`` of the world
+    directory, one torch thread; a body that raises is logged; it never returns (``os._exit``
+    skips interpreter teardown: a target may have left non-daemon threads or wedged groups).
+
+    ``leftovers``: directories to remove should the controller die without cleaning up (the
+    world directory and the fork server's socket directory).
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(controller_pid, leftovers)
+    try:
+        stacks = _redirect_output(directory, name)
+    except OSError:  # the controller gave up on this world while it was starting
+        os._exit(1)
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        body()
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        stacks.close()
+        _exit_if_orphaned(controller_pid, leftovers)
+    os._exit(code)
+
+
 def rank_main(
     rank: int,
     spec_json: str,
@@ -501,22 +539,11 @@ def rank_main(
     controller_pid: int,
     leftovers: list[str],
 ) -> None:
-    """Entry point of a rank process started by `pipemetrics.sim.world.World`.
-
-    ``leftovers``: directories to remove should the controller die without cleaning up (the
-    world directory and the fork server's socket directory).
-    """
+    """Entry point of a rank process started by `pipemetrics.sim.world.World`."""
     began = time.monotonic()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(controller_pid, leftovers)
-    try:
-        stacks = _redirect_output(directory, f"rank{rank}")
-    except OSError:  # the controller gave up on this world while it was starting
-        os._exit(1)
-    torch.set_num_threads(1)
-    spec = WorldSpec.model_validate_json(spec_json)
-    code = 0
-    try:
+
+    def serve() -> None:
+        spec = WorldSpec.model_validate_json(spec_json)
         store = dist.FileStore(  # type: ignore[attr-defined]
             os.path.join(directory, "store"), spec.world_size
         )
@@ -530,14 +557,6 @@ def rank_main(
         server = RankServer(rank, conn, join_world(spec))
         conn.send(Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began))
         if not server.serve():
-            _orphaned_exit(leftovers)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        stacks.close()
-        _exit_if_orphaned(controller_pid, leftovers)
-    # Skip interpreter teardown: a target may have left non-daemon threads or wedged groups.
-    os._exit(code)
+            orphaned_exit(leftovers)
+
+    run_child(directory, f"rank{rank}", controller_pid, leftovers, serve)

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field
 
@@ -187,7 +187,53 @@ def _kill_all(pids: list[int], directory: str) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-class World:
+class WorldBase:
+    """What every live world has, whatever its tier: a private temporary directory that a
+    finalizer removes (with the processes it knows, `_kill_all`) if the world is never closed,
+    and the context-manager protocol around ``start``/``close``."""
+
+    def __init__(self, prefix: str) -> None:
+        # A signal between creating the directory and registering its finalizer would leave
+        # the directory behind: both happen with SIGINT/SIGTERM held back (delivered after).
+        with signals_held():
+            self.directory = tempfile.mkdtemp(prefix=prefix)
+            self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
+
+    def _track(self, pids: list[int]) -> None:
+        """From now on the finalizer also kills ``pids``."""
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _kill_all, pids, self.directory)
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _log_tail(self, name: str, limit: int = 2000) -> str:
+        """The end of ``name.log`` in the world directory (a child's output)."""
+        path = os.path.join(self.directory, f"{name}.log")
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(0, handle.tell() - limit))
+                return handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            return ""
+
+
+class World(WorldBase):
     """A live world of ``spec.world_size`` rank processes. Use as a context manager."""
 
     tier = "process"
@@ -217,25 +263,9 @@ class World:
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self._closed = False
-        # A signal between creating the directory and registering its finalizer would leave
-        # the directory behind: both happen with SIGINT/SIGTERM held back (delivered after).
-        with signals_held():
-            self.directory = tempfile.mkdtemp(prefix="pipemetrics-world-")
-            self._finalizer = weakref.finalize(self, _kill_all, [], self.directory)
+        super().__init__("pipemetrics-world-")
 
     # -- lifecycle ------------------------------------------------------------------------------
-
-    def __enter__(self) -> World:
-        self.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     @property
     def alive(self) -> bool:
@@ -278,8 +308,7 @@ class World:
                 theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
-                self._finalizer.detach()
-                self._finalizer = weakref.finalize(self, _kill_all, self.pids, self.directory)
+                self._track(self.pids)
             self._await_ready(began)
         except BaseException:
             self.close()
@@ -386,7 +415,7 @@ class World:
             rank: RankResult(
                 place=place,
                 done=done.get(rank),
-                log_tail=self._log_tail(rank) if failed else "",
+                log_tail=self._log_tail(f"rank{rank}") if failed else "",
             )
             for rank, place in self.places.items()
         }
@@ -489,16 +518,5 @@ class World:
                 stacks[rank] = handle.read()[-6000:]
         return stacks
 
-    def _log_tail(self, rank: int, limit: int = 2000) -> str:
-        path = os.path.join(self.directory, f"rank{rank}.log")
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                size = handle.tell()
-                handle.seek(max(0, size - limit))
-                return handle.read().decode("utf-8", errors="replace")
-        except OSError:
-            return ""
-
     def _logs(self, ranks: list[int]) -> str:
-        return " ".join(f"rank {r} log: {self._log_tail(r)!r}" for r in ranks)
+        return " ".join(f"rank {r} log: {self._log_tail(f'rank{r}')!r}" for r in ranks)

@@ -61,7 +61,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
 
     contract = {
         "throughput", "scaling", "world_start_s", "deadlock", "check_ci_profile_s", "call_cost",
-        "hang_detection", "machine", "leftovers",
+        "call_cost_wide", "hang_detection", "machine", "leftovers",
     }  # fmt: skip
     assert contract <= set(data)
     through = data["throughput"]
@@ -130,6 +130,13 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
         assert math.isclose(
             extra["ms_ratio"], ours["steady_ms"] / theirs["steady_ms"], rel_tol=1e-2
         )
+
+    for size, sides in data["call_cost_wide"].items():  # counted in-process, not timed
+        for side in (sides["reference"], sides["megatron"]):
+            assert positive(side["steady"]["collectives"]) and side["steady_ms"] is None, size
+        assert sides["steady_extra"]["ms_ratio"] is None
+        assert sides["steady_extra"]["collectives"] == 1, sides  # the agreement round
+    assert set(data["call_cost_wide"]) == {"4"}
 
     hang = data["hang_detection"]
     assert {

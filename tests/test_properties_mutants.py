@@ -51,6 +51,10 @@ MORE_EXAMPLES: dict[str, int] = {
     # that does, with track_names None: found at examples 68-112 of 400, missed within 80 once.
     "moe_plan_cached_after_first_call": 400,
     "moe_total_loss_overwritten": 400,
+    # get_mtp_metrics before get_moe_metrics in a step, with a live MoE name: passed 80 examples
+    # once the in-process tier's modules were added (found at example 36 of 400 with --seed 0);
+    # `pipemetrics prove` finds it in its third case (tests/test_prove.py).
+    "mtp_clears_moe_tracker": 400,
 }
 
 

@@ -40,11 +40,15 @@ def test_the_enumeration_is_canonical_and_smallest_first() -> None:
     sizes = [c.world.world_size for c in cases]
     assert sizes == sorted(sizes)
     families = {c.family for c in cases}
-    assert families == {"layouts", "routing", "broadcast"}
+    assert families == {"layouts", "routing", "flexible", "broadcast"}
     moe_cases = [c for c in cases if isinstance(c, Case)]
     assert {c.mtp for c in moe_cases} == {"none", "dense", "moe"}
     assert {k for c in moe_cases for k in c.stages} == {"empty", "dense", "moe"}
     assert max(c.world.pp for c in cases) == Bound().max_pp
+    flexible = [c for c in moe_cases if c.family == "flexible"]
+    assert {c.vpp for c in flexible} == {1, 2} and {c.mtp_rank for c in flexible} >= {None, 0}
+    for case in flexible:  # every layout string passes Megatron's rules (Setup validates)
+        case.setup()
 
 
 def test_shards_partition_the_cases() -> None:
@@ -62,6 +66,26 @@ def test_the_reference_is_proven_on_a_small_bound(tmp_path: Path) -> None:
     assert cert.target_sha256 and cert.megatron_core != "unknown"
 
 
+def test_a_standalone_mtp_stage_disproves_the_last_stage_only_mutant(tmp_path: Path) -> None:
+    """The flexible family reaches a bug the samplers find in about 3% of their examples."""
+    path = write_mutant("moe_mtp_slots_only_on_last_stage", tmp_path / "mutants")
+    cert = prove(str(path), TINY, report_dir=tmp_path / "report")
+    assert not cert.proven and cert.failure is not None
+    assert cert.failure.case.startswith("flexible|") and "mtp-moe@0" in cert.failure.case
+    assert "moe.values" in cert.failure.properties
+
+
+def test_calls_in_both_orders_disprove_a_get_mtp_metrics_that_clears_the_moe_tracker(
+    tmp_path: Path,
+) -> None:
+    """The second step calls get_mtp_metrics first: a bug the samplers need a budget of about
+    400 examples for is a 1-rank case here."""
+    path = write_mutant("mtp_clears_moe_tracker", tmp_path / "mutants")
+    cert = prove(str(path), TINY, report_dir=tmp_path / "report")
+    assert not cert.proven and cert.failure is not None
+    assert "steps.interleaved" in cert.failure.properties, cert.failure.properties
+
+
 @pytest.mark.parametrize("name", SEED_HANG_MUTANTS)
 def test_every_seed_hang_mutant_is_disproven(tmp_path: Path, name: str) -> None:
     path = write_mutant(name, tmp_path / "mutants")
@@ -74,8 +98,11 @@ def test_every_seed_hang_mutant_is_disproven(tmp_path: Path, name: str) -> None:
     assert replay_main(scenario_file, impl=None, raw=False, json_out=None) == 1
 
 
+SHARDED = Bound(max_pp=1, max_world=2)
+
+
 def _shard(tmp_path: Path, k: int, n: int) -> Certificate:
-    return prove("pipemetrics.reference", TINY, shard=(k, n), report_dir=tmp_path)
+    return prove("pipemetrics.reference", SHARDED, shard=(k, n), report_dir=tmp_path)
 
 
 def test_merged_shards_cover_the_bound_exactly_once(tmp_path: Path) -> None:
@@ -90,7 +117,7 @@ def test_merged_shards_cover_the_bound_exactly_once(tmp_path: Path) -> None:
     forged = second.model_copy(update={"shard_digest": first.shard_digest})
     with pytest.raises(MergeError, match="its cases are not this bound's shard"):
         merge([first, forged])
-    other = second.model_copy(update={"bound": Bound(max_pp=1, max_world=2)})
+    other = second.model_copy(update={"bound": Bound(max_pp=1, max_world=1)})
     with pytest.raises(MergeError, match="bound: the certificates differ"):
         merge([first, other])
 
