@@ -53,8 +53,9 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 from pydantic import Field
@@ -62,9 +63,10 @@ from pydantic import Field
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.engine import failure_picture
 from pipemetrics.properties.synthetic import step_records
-from pipemetrics.sim.calls import CallSpec, MoeCall, MtpCall
+from pipemetrics.sim.calls import BroadcastCall, BufferSpec, CallSpec, MoeCall, MtpCall
 from pipemetrics.sim.layout import (
     AUX_LOSS_TYPES,
+    TRACK_NAME_OF,
     ExplicitSplit,
     Frozen,
     LayoutSplit,
@@ -76,7 +78,7 @@ from pipemetrics.sim.layout import (
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.target import is_path_target, resolve_builtin
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.topology import broadcast_plan, places_for
 
 StageKind = Literal["empty", "dense", "moe"]
 MtpKind = Literal["none", "dense", "moe"]
@@ -265,9 +267,6 @@ class BroadcastCase(Frozen):
         return (self.world.world_size, self.world.pp, 0, self.key)
 
     def scenario(self, target: str, steps: int) -> Scenario:
-        from pipemetrics.sim.calls import BroadcastCall, BufferSpec
-        from pipemetrics.sim.topology import broadcast_plan
-
         shape = [] if self.shape == "scalar" else [2, 3]
         call = BroadcastCall(
             group=self.role, src_group_rank=self.source, shape=shape, dtype=self.dtype,
@@ -296,19 +295,17 @@ class BroadcastCase(Frozen):
 AnyCase = Case | BroadcastCase
 
 
+NAME_INDEX: Mapping[str, int] = MappingProxyType(
+    {TRACK_NAME_OF.get(t, t): i for i, t in enumerate(sorted(["z_loss", *AUX_LOSS_TYPES]))}
+)
+"""Each tracked name's weight in `distinct_value` (by its aux-loss type, z_loss among them)."""
+
+
 def distinct_value(step: int, rank: int, microbatch: int, slot: int, name: str) -> float:
     """A loss unique to (step, rank, microbatch, slot, name): a swap, a dilution or a wrong
     denominator changes any sum of them (the weights are far apart and not commensurate)."""
-    index = sorted(["z_loss", *(f"{t}" for t in AUX_LOSS_TYPES)]).index(
-        name if name == "z_loss" else _aux_type(name)
-    )
+    index = NAME_INDEX[name]
     return 1.0 + rank / 7 + slot / 131 + index / 1009 + microbatch / 10007 + step / 100_003
-
-
-def _aux_type(name: str) -> str:
-    from pipemetrics.sim.layout import TRACK_NAME_OF
-
-    return next(t for t, n in TRACK_NAME_OF.items() if n == name)
 
 
 def _moe_value(step: int) -> Callable[[int, int, int, str], float]:
