@@ -13,6 +13,9 @@ classes). The semantics are torch.distributed's, member by member:
 * a rooted collective takes its root as ``src``/``dst`` (a global rank) or ``group_src``/
   ``group_dst`` (the rank within the group), as torch does.
 
+A non-root rank's tensor after ``reduce`` is left as it was: torch leaves it undefined (gloo
+writes partial results there), so the tiers may differ in it and no target should read it.
+
 A collective with ``async_op=True`` returns a `CompletedWork` (already complete, as the data has
 moved by the time the call returns).
 """
@@ -295,10 +298,7 @@ _HANDLERS: dict[str, Callable[[Meeting, int], None]] = {
     "monitored_barrier": _nothing,
 }
 
-SIMULATED: frozenset[str] = frozenset(_HANDLERS)
-
 __all__ = [
-    "SIMULATED",
     "CompletedWork",
     "Contribution",
     "Meeting",

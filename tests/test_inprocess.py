@@ -22,7 +22,7 @@ from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.bench import throughput_scenario
-from pipemetrics.sim.calls import MoeCall
+from pipemetrics.sim.calls import MoeCall, RoundUpCall
 from pipemetrics.sim.differential import differences
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import StepRecords
@@ -315,3 +315,28 @@ def test_a_failure_only_the_inprocess_tier_sees_is_a_fault_of_pipemetrics(
         in (entry["message"])
     )
     assert code == 1, output
+
+
+ALL_COLLECTIVES = Path(__file__).with_name("all_collectives_target.py")
+
+
+@pytest.mark.parametrize("world", [WorldSpec(pp=2), WorldSpec(pp=2, dp=2)], ids=["2", "4"])
+def test_the_tiers_agree_on_every_collective_and_reduce_op(
+    tiers: tuple[TrackingPool, TrackingPool], world: WorldSpec
+) -> None:
+    """Every collective the interposer knows (the object ones, every reduce op, both root
+    forms, async_op, the barriers) moves the same data on both tiers."""
+    scenario = Scenario(
+        setup=Setup(world=world, layout=ModelLayout(num_layers=world.pp)),
+        target=str(ALL_COLLECTIVES),
+        steps=[Step(calls=[RoundUpCall(value=3, multiple=2)])],
+        deadline_s=60.0,
+    )
+    process, inprocess = (pool.run(scenario) for pool in tiers)
+    assert process.verdict.kind == inprocess.verdict.kind == "ok", inprocess.verdict.message
+    assert not differences(process, inprocess, ("process", "inprocess"))
+    for result in inprocess.ranks.values():
+        assert result.done is not None
+        value = result.done.reports[0].value
+        assert set(value) >= {f"all_reduce_{op}" for op in ("SUM", "AVG", "BXOR")}, value
+        assert value["async_wait"] is True
