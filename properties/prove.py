@@ -33,8 +33,11 @@ a dense or an MoE layer to the virtual stages of pp 2 with 2 chunks per rank, an
 ``broadcast`` crosses the world shapes of up to two stages (a group's members do not
 depend on what the stages hold) with every group role of two or more members, the first and
 the last member as source, three dtypes, a scalar and a transposed (non-contiguous) 2x3 source,
-and receivers passing None or a buffer. Not enumerated yet: more than one layer per (virtual)
-stage, more than two chunks per rank, ``new_group`` groups, invalid buffers.
+and receivers passing None or a buffer; and every ``new_group`` of two or more ranks of every
+world size up to ``Bound.max_world`` (float32, both sources, both shapes, both receiver forms:
+groups whose members are not the first ranks, where a global rank and a group rank differ).
+Not enumerated yet: more than one layer per (virtual) stage, more than two chunks per rank,
+invalid buffers.
 
 A model without any MoE layer (no router anywhere) is not a case: nothing is recorded and
 no MoE configuration reaches these functions. Each case is one `Scenario`, judged by every seed-profile property its calls concern (the same
@@ -63,7 +66,14 @@ from pydantic import Field
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.engine import failure_picture
 from pipemetrics.properties.synthetic import step_records
-from pipemetrics.sim.calls import BroadcastCall, BufferSpec, CallSpec, MoeCall, MtpCall
+from pipemetrics.sim.calls import (
+    NEW_GROUP,
+    BroadcastCall,
+    BufferSpec,
+    CallSpec,
+    MoeCall,
+    MtpCall,
+)
 from pipemetrics.sim.layout import (
     AUX_LOSS_TYPES,
     TRACK_NAME_OF,
@@ -254,12 +264,15 @@ class BroadcastCase(Frozen):
     dtype: str
     shape: Literal["scalar", "transposed"]
     receivers: Literal["none", "buffer"]
+    members: tuple[int, ...] | None = None
+    """With ``role`` ``new_group``: the group's ranks (every rank creates it, members call)."""
 
     @property
     def key(self) -> str:
         w = self.world
+        role = self.role if self.members is None else f"{self.role}{list(self.members)}"
         return (
-            f"broadcast|tp{w.tp}cp{w.cp}dp{w.dp}ep{w.ep}pp{w.pp}|{self.role}|src{self.source}"
+            f"broadcast|tp{w.tp}cp{w.cp}dp{w.dp}ep{w.ep}pp{w.pp}|{role}|src{self.source}"
             f"|{self.dtype}|{self.shape}|receivers-{self.receivers}"
         )
 
@@ -271,6 +284,7 @@ class BroadcastCase(Frozen):
         call = BroadcastCall(
             group=self.role, src_group_rank=self.source, shape=shape, dtype=self.dtype,
             non_contiguous=self.shape == "transposed", fill_seed=7,
+            members=None if self.members is None else list(self.members),
         )  # fmt: skip
         if self.receivers == "buffer":
             plan = broadcast_plan(call, self.world)
@@ -289,7 +303,9 @@ class BroadcastCase(Frozen):
 
     @property
     def classes(self) -> list[str]:
-        return [f"family:{self.family}", f"pp:{self.world.pp}", f"world:{self.world.world_size}"]
+        group = [] if self.members is None else [f"group:{NEW_GROUP}"]
+        return [f"family:{self.family}", *group, f"pp:{self.world.pp}",
+                f"world:{self.world.world_size}"]  # fmt: skip
 
 
 AnyCase = Case | BroadcastCase
@@ -391,6 +407,16 @@ def enumerate_cases(bound: Bound) -> list[AnyCase]:
                 continue  # a group of one moves nothing
             _add(cases, BroadcastCase(world=world, role=role, source=source, dtype=dtype,
                                       shape=shape, receivers=receivers))  # fmt: skip
+    for size in range(2, bound.max_world + 1):
+        world = WorldSpec(dp=size)
+        for count in range(2, size + 1):
+            for members, source, shape, receivers in itertools.product(
+                itertools.combinations(range(size), count), (0, -1), ("scalar", "transposed"),
+                ("none", "buffer"),
+            ):  # fmt: skip
+                _add(cases, BroadcastCase(world=world, role=NEW_GROUP, members=members,
+                                          source=source, dtype="float32", shape=shape,
+                                          receivers=receivers))  # fmt: skip
     if ROUTING_WORLD.pp <= bound.max_pp and ROUTING_WORLD.world_size <= bound.max_world:
         for stages, mtp, (routing, zero, z) in itertools.product(
             stage_patterns(ROUTING_WORLD.pp), mtps, routings()
@@ -603,7 +629,7 @@ def merge(certificates: list[Certificate]) -> Certificate:
     )
 
 
-def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, str], None]:
+def progress_bar(stream: Any = sys.stderr, unit: str = "cases") -> Callable[[int, int, str], None]:
     """A one-line progress bar on ``stream`` (a new line per 5% when it is not a terminal)."""
     last = [-1]
     tty = bool(getattr(stream, "isatty", lambda: False)())
@@ -616,7 +642,7 @@ def progress_bar(stream: Any = sys.stderr) -> Callable[[int, int, str], None]:
             if done == total:
                 stream.write("\n")
         elif percent // 5 != last[0] // 5 or done == total:
-            stream.write(f"prove: {done}/{total} cases ({percent}%)\n")
+            stream.write(f"prove: {done}/{total} {unit} ({percent}%)\n")
         last[0] = percent
         stream.flush()
 

@@ -66,6 +66,21 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the K-th of N deterministic shards of the cases",
     )
     parser.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="run the shards as tasks on a Ray cluster and merge them (ADDRESS as for "
+        "ray.init: auto, ray://head:10001, or local for a Ray instance of this machine); "
+        "needs the ray extra",
+    )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --ray: how many shards (default: one per CPU of the cluster)",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         default=None,
@@ -112,6 +127,10 @@ def prove_main(args: argparse.Namespace) -> int:
                 parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
             )  # fmt: skip
             shard = _shard(args.shard)
+            if args.ray is not None and shard != (1, 1):
+                raise ValueError("--shard: not with --ray, which runs every shard (use --shards N)")
+            if args.ray is None and args.shards is not None:
+                raise ValueError("--shards: only with --ray (use --shard K/N otherwise)")
             target = resolve_builtin(args.impl)
             missing = {"get_moe_metrics", "get_mtp_metrics"} - set(
                 probe_target(target, args.load_timeout)
@@ -121,10 +140,13 @@ def prove_main(args: argparse.Namespace) -> int:
                     f"--impl {args.impl}: the cases call {', '.join(sorted(missing))}, which "
                     "the target does not define"
                 )
-            certificate = prove(
-                args.impl, bound, shard=shard, tier=args.tier,
-                report_dir=Path(args.report_dir), progress=progress_bar(),
-            )  # fmt: skip
+            if args.ray is not None:
+                certificate = _on_ray(args, bound)
+            else:
+                certificate = prove(
+                    args.impl, bound, shard=shard, tier=args.tier,
+                    report_dir=Path(args.report_dir), progress=progress_bar(),
+                )  # fmt: skip
     except (ValueError, ValidationError, MergeError, TargetLoadError, OSError) as exc:
         sys.stderr.write(f"pipemetrics prove: {exc}\n")
         return EXIT_USAGE
@@ -132,6 +154,18 @@ def prove_main(args: argparse.Namespace) -> int:
     if args.json_out:
         Path(args.json_out).write_text(certificate.model_dump_json(indent=2) + "\n")
     return EXIT_PROVEN if certificate.proven else EXIT_DISPROVEN
+
+
+def _on_ray(args: argparse.Namespace, bound: Bound) -> Certificate:
+    from pipemetrics.properties.prove_ray import RayRunError, prove_on_ray
+
+    try:
+        return prove_on_ray(
+            args.impl, bound, args.shards, address=args.ray, tier=args.tier,
+            report_dir=Path(args.report_dir), progress=progress_bar(unit="shards"),
+        )  # fmt: skip
+    except RayRunError as exc:
+        raise ValueError(str(exc)) from exc
 
 
 def _load(path: str) -> Certificate:

@@ -174,7 +174,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         run_check=True,
         check_timeout_s=check_timeout_s,
         cost_steps=30,
-        wide_cost_sizes=(16, 32, 64, 128, 256),
+        wide_cost_sizes=(16, 32, 64, 128, 256, 512, 1024),
         hang_kinds=tuple(KINDS),
         hang_tools=("pipemetrics", *TORCH_TOOLS),
         hang_samples=5,
@@ -196,7 +196,7 @@ class TierPool(Protocol):
 
     def world(self, spec: WorldSpec) -> TierWorld: ...
 
-    def run(self, scenario: Scenario) -> WorldRun: ...
+    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun: ...
 
     def close(self) -> None: ...
 
@@ -431,20 +431,29 @@ Measure = Callable[[WorldSpec, list[Scenario], Leftovers], ModeRun]
 """Runs the examples in worlds of the shape; every world it starts goes to ``Leftovers``."""
 
 
-def persistent_in(tier: str, warmup: int) -> Measure:
+def _ran(scenario: Scenario, run: WorldRun) -> None:
+    """For runs whose values mean nothing (`InProcessHost.run_alone`): every rank finished."""
+    if run.verdict.kind != "ok":
+        raise BenchError(f"an example on {scenario.setup.world.key} did not finish "
+                         f"({run.verdict.kind}: {run.verdict.message[:600]})")  # fmt: skip
+
+
+def persistent_in(tier: str, warmup: int, *, gate: bool = True) -> Measure:
     """One pooled world of ``tier`` for all the examples: its start and the first ``warmup``
-    examples are not timed (the steady state of a property run)."""
+    examples are not timed (the steady state of a property run). ``gate`` False on the
+    in-process tier: the ranks' own work alone, not judged (`InProcessHost.run_alone`)."""
+    check = _judged if gate else _ran
 
     def measure(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
         pool = TIERS[tier](spec.world_size)
         try:
             world = leftovers.note(pool.world(spec))
             for scenario in scenarios[:warmup]:
-                _judged(scenario, pool.run(scenario))
+                check(scenario, pool.run(scenario, gate=gate))
             timed = scenarios[warmup:]
             began = time.perf_counter()
             for scenario in timed:
-                _judged(scenario, pool.run(scenario))
+                check(scenario, pool.run(scenario, gate=gate))
             elapsed = time.perf_counter() - began
             memory = rank_memory(world.pids, spec.world_size)
         finally:
@@ -524,6 +533,13 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         lambda p: p.warmup_examples + p.persistent_examples,
         lambda p: persistent_in("inprocess", p.warmup_examples),
         tier="inprocess",
+    ),
+    Mode(
+        "rank_work_alone",
+        "every rank's own work alone, in one process (fill, target, snapshots; collectives move "
+        "no data, nothing scheduled or matched, not judged): the ceiling of any in-process tier",
+        lambda p: p.warmup_examples + p.persistent_examples,
+        lambda p: persistent_in("inprocess", p.warmup_examples, gate=False),
     ),
 )
 """The first mode is pipemetrics; every other is reported with its ratio to it."""
@@ -944,6 +960,13 @@ def _fmt_rate(value: float) -> str:
     return f"{value:.3g}" if value < 10 else f"{value:.1f}"
 
 
+def _ratio_cell(mode: str, value: float) -> str:
+    """``value`` is the first mode's rate over ``mode``'s; below 1 ``mode`` is the faster."""
+    if value < 1:
+        return f"{_fmt_ratio(value)} ({mode} {_fmt_ratio(1 / value)} faster)"
+    return _fmt_ratio(value)
+
+
 def _fmt_ratio(value: float) -> str:
     return f"{value:.2g}x" if value < 10 else f"{value:.0f}x"
 
@@ -980,7 +1003,7 @@ def table(data: dict[str, Any]) -> str:
     for size in (str(s) for s in through["sizes"]):
         cells = [_fmt_rate(rates[m][size]) if size in rates[m] else "not run" for m in modes]
         ratios = [
-            _fmt_ratio(through["speedup"][m][size]) if size in through["speedup"][m] else ""
+            _ratio_cell(m, through["speedup"][m][size]) if size in through["speedup"][m] else ""
             for m in others
         ]
         lines.append(f"| {size} | " + " | ".join(cells + ratios) + " |")

@@ -83,14 +83,15 @@ class Coordinator:
         if self.verdict is not None:
             return []
         self.pending[call.rank] = call
-        return self._progress(call.started_s)
+        return self._progress(call, call.started_s)
 
     def on_done(self, rank: int, at: float) -> list[int]:
         self.finished[rank] = at
         self.pending.pop(rank, None)
         if self.verdict is not None:
             return []
-        return self._progress(at)
+        self._check_deadlock(at, gone=rank)
+        return []
 
     def on_broken_collective(self, call: CollectiveCall, error: str, at: float) -> None:
         """A rank raised inside a collective its peers were released into.
@@ -149,24 +150,19 @@ class Coordinator:
 
     # -- decisions ------------------------------------------------------------------------------
 
-    def _progress(self, event_at: float) -> list[int]:
-        released: list[int] = []
-        for call in list(self.pending.values()):
-            if call.rank not in self.pending:
-                continue
-            members = [self.pending.get(m) for m in call.group_ranks]
-            if any(m is None or m.group_name != call.group_name for m in members):
-                continue
+    def _progress(self, call: CollectiveCall, event_at: float) -> list[int]:
+        """After ``call`` arrived: release its group if every member is now pending in it (only
+        the arriving call's group can have become complete), else look for a deadlock."""
+        members = [self.pending.get(m) for m in call.group_ranks]
+        if all(m is not None and m.group_name == call.group_name for m in members):
             peers = [m for m in members if m is not None]
             if self._mismatch(peers, event_at):
                 return []
             for m in peers:
                 del self.pending[m.rank]
-            released += [m.rank for m in peers]
             self.released += 1
-        if released:
-            return released
-        self._check_deadlock(event_at)
+            return [m.rank for m in peers]
+        self._check_deadlock(event_at, arrived=call)
         return []
 
     def _mismatch(self, peers: list[CollectiveCall], event_at: float) -> bool:
@@ -185,8 +181,29 @@ class Coordinator:
         )
         return True
 
-    def _check_deadlock(self, event_at: float) -> None:
-        gone = set(self.finished) | set(self.dead)
+    def _check_deadlock(
+        self, event_at: float, *, arrived: CollectiveCall | None = None, gone: int | None = None
+    ) -> None:
+        """Decide a deadlock if one is now certain. A pending call waiting for a rank that
+        returned or died can only appear when that call arrives (``arrived``) or that rank goes
+        (``gone``): the scan over every pending call runs only then (it reports the lowest such
+        rank, whichever event made it certain), so an event costs O(its group), not O(world^2)."""
+        ended = self.finished.keys() | self.dead.keys()
+        if (arrived is not None and any(m in ended for m in arrived.group_ranks)) or (
+            gone is not None and any(gone in c.group_ranks for c in self.pending.values())
+        ):
+            self._missing_member(ended, event_at)
+            if self.verdict is not None:
+                return
+        if self.pending and not self.running():
+            self._decide(
+                "deadlock",
+                "deadlock: every live rank is blocked in a collective and none can complete. "
+                + self._everyone(),
+                event_at,
+            )
+
+    def _missing_member(self, gone: set[int], event_at: float) -> None:
         for rank, call in sorted(self.pending.items()):
             missing = [m for m in call.group_ranks if m in gone]
             if missing:
@@ -200,13 +217,6 @@ class Coordinator:
                     event_at,
                 )
                 return
-        if self.pending and not self.running():
-            self._decide(
-                "deadlock",
-                "deadlock: every live rank is blocked in a collective and none can complete. "
-                + self._everyone(),
-                event_at,
-            )
 
     def _everyone(self) -> str:
         parts = []

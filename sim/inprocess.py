@@ -38,6 +38,7 @@ from typing import Any
 import greenlet
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from megatron.core import parallel_state
 
 from pipemetrics.sim.collective_semantics import Contribution, Meeting, contribute
 from pipemetrics.sim.coordinator import Coordinator, Verdict
@@ -95,6 +96,57 @@ def _process_wide_group_names_off() -> None:
     rank does ("0" for its world), so the host, a process of its own, keeps no such registry."""
     for name in ("_register_process_group", "_unregister_process_group"):
         setattr(c10d, name, lambda *args, **kwargs: None)
+
+
+def _non_member_groups_skipped() -> None:
+    """Make ``new_group`` cheap for a rank outside the group. Megatron's
+    ``initialize_model_parallel`` has every rank create every group of the world, so building N
+    ranks in one process makes O(N^2) groups; for a non-member torch only validates the ranks,
+    advances the group counter (group names stay aligned across ranks) and returns
+    ``NON_GROUP_MEMBER``. This does the same without the rest of torch's bookkeeping, which for
+    a non-member only overwrites one shared dictionary entry. Anything unusual (local
+    synchronization, invalid ranks, a member) goes to torch's own ``new_group``."""
+    original = c10d.new_group
+    if getattr(original, "_pipemetrics_non_member_shortcut", False):
+        return  # installed by an earlier host of this process
+
+    def new_group(ranks: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if ranks is None or args or kwargs.get("use_local_synchronization"):
+            return original(ranks, *args, **kwargs)
+        members = list(ranks)
+        default = c10d._get_default_group()
+        world = default.size()
+        if (
+            default.rank() in members
+            or len(set(members)) != len(members)
+            or not all(isinstance(r, int) and 0 <= r < world for r in members)
+        ):
+            return original(ranks, *args, **kwargs)
+        c10d._process_group_name(sorted(members), use_hashed_name=False)
+        return c10d.GroupMember.NON_GROUP_MEMBER
+
+    new_group._pipemetrics_non_member_shortcut = True  # type: ignore[attr-defined]
+    c10d.new_group = new_group
+    dist.new_group = new_group
+
+
+def _rank_groups_shared() -> None:
+    """Megatron's ``generate_masked_orthogonal_rank_groups`` is a pure function of the world's
+    sizes that every rank evaluates for every group type (O(N) each, so O(N^2) for N ranks in
+    one process): its results are kept by argument and each caller gets its own copy."""
+    original = parallel_state.generate_masked_orthogonal_rank_groups
+    if getattr(original, "_pipemetrics_shared", False):
+        return  # installed by an earlier host of this process
+    computed: dict[tuple[int, tuple[int, ...], tuple[bool, ...]], list[list[int]]] = {}
+
+    def generate(world_size: int, parallel_size: list[int], mask: list[bool]) -> list[list[int]]:
+        key = (world_size, tuple(parallel_size), tuple(mask))
+        if key not in computed:
+            computed[key] = original(world_size, parallel_size, mask)
+        return [list(group) for group in computed[key]]
+
+    generate._pipemetrics_shared = True  # type: ignore[attr-defined]
+    parallel_state.generate_masked_orthogonal_rank_groups = generate
 
 
 class _Rank:
@@ -163,9 +215,12 @@ class InProcessHost:
         self.private: set[str] = set()
         self.current: _Rank | None = None
         _process_wide_group_names_off()
+        _non_member_groups_skipped()
+        _rank_groups_shared()
         self.ranks = [_Rank(self, r) for r in range(spec.world_size)]
         self._restore_pristine()
         self.places: dict[int, RankPlace] = {r.rank: r.server.place for r in self.ranks}
+        self.dispatchers = self._dispatchers()
 
     def _restore_pristine(self) -> None:
         for (owner, name), value in zip(self.slots, self.pristine, strict=True):
@@ -174,7 +229,9 @@ class InProcessHost:
     # -- running a task -------------------------------------------------------------------------
 
     def run(self, task: Task, watchdog: _Watchdog | None = None) -> HostResult:
-        """Run ``task`` on every rank; deterministic."""
+        """Run ``task`` on every rank; deterministic. ``task.gate`` False: `run_alone`."""
+        if not task.gate:
+            return self.run_alone(task, watchdog)
         scenario = Scenario.model_validate_json(task.scenario_json)
         began = time.monotonic()
         coordinator = Coordinator([r.rank for r in self.ranks], self.places)
@@ -248,6 +305,38 @@ class InProcessHost:
             reusable=not dirty and not unfinished,
         )
 
+    def run_alone(self, task: Task, watchdog: _Watchdog | None = None) -> HostResult:
+        """Every rank's own work and nothing else: the ranks run one after another, each to its
+        end, and their collectives go to torch's fake backend, which moves no data (results are
+        meaningless; no collective is matched or recorded). What any in-process design must
+        still do per example: `pipemetrics bench` measures it as the in-process tier's ceiling."""
+        scenario = Scenario.model_validate_json(task.scenario_json)
+        began = time.monotonic()
+        coordinator = Coordinator([r.rank for r in self.ranks], self.places)
+        if watchdog is not None:
+            watchdog.arm(self, coordinator, began + scenario.deadline_s, scenario.deadline_s)
+        done: dict[int, Done] = {}
+        with cpu_current_device():
+            for rank in self.ranks:
+                rank.globals.restore(self.private)
+                self.current = rank
+                try:
+                    done[rank.rank] = rank.server.run(task, scenario)
+                finally:
+                    self.current = None
+                    rank.globals.capture(self.private)
+        if watchdog is not None and not watchdog.disarm():
+            return watchdog.result_sent()
+        faults = [f"rank {r}: {d.harness_error.message}" for r, d in sorted(done.items())
+                  if d.harness_error is not None]  # fmt: skip
+        if faults:
+            coordinator.on_harness_error("; ".join(faults))
+        else:
+            coordinator.finish_ok()
+        assert coordinator.verdict is not None
+        return HostResult(verdict=coordinator.verdict, done=done, released=0,
+                          seconds=time.monotonic() - began, reusable=True)  # fmt: skip
+
     def _release(
         self,
         released: list[int],
@@ -290,15 +379,13 @@ class InProcessHost:
             self.current = None
             rank.globals.capture(self.private)
 
-    @contextmanager
-    def _dispatching(self) -> Iterator[None]:
-        """Route every torch.distributed collective to the running rank's interposer, and make
-        ``get_backend`` answer the world's backend (the fake backend stands in for it)."""
-        originals: dict[tuple[object, str], Any] = {}
+    def _dispatchers(self) -> dict[str, tuple[Callable[..., Any], Callable[..., Any]]]:
+        """torch.distributed's name -> (its function, what routes it to the running rank's
+        interposer): every collective, and ``get_backend`` answering the world's backend (the
+        fake backend stands in for it). Built once per host (signatures included)."""
 
         def dispatcher(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
             signature = inspect.signature(original)
-
             refusing = _refusing_invalid_roots(op, original, signature)
 
             def collective(*args: Any, **kwargs: Any) -> Any:
@@ -319,13 +406,18 @@ class InProcessHost:
             answer = original_backend(group)
             return backend if str(answer) == "fake" else answer
 
-        replacements: dict[str, Callable[..., Any]] = {"get_backend": get_backend}
+        dispatchers = {"get_backend": (original_backend, get_backend)}
         for name in COLLECTIVES:
             original = getattr(c10d, name, None)
             if callable(original):
-                replacements[name] = dispatcher(name, original)
-        for name, replacement in replacements.items():
-            original = getattr(c10d, name)
+                dispatchers[name] = (original, dispatcher(name, original))
+        return dispatchers
+
+    @contextmanager
+    def _dispatching(self) -> Iterator[None]:
+        """Install `_dispatchers` for the duration of a task."""
+        originals: dict[tuple[object, str], Any] = {}
+        for name, (original, replacement) in self.dispatchers.items():
             for owner in (dist, c10d):
                 if getattr(owner, name, None) is original:
                     originals[(owner, name)] = original

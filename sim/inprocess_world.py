@@ -127,9 +127,9 @@ class InProcessWorld(WorldBase):
     # -- running --------------------------------------------------------------------------------
 
     def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
-        """Run ``scenario`` on every rank. There is no raw mode: no real backend runs here."""
-        if not gate:
-            raise ValueError("raw mode runs the real backend: it needs the process tier")
+        """Run ``scenario`` on every rank. ``gate`` False is not a raw mode (no real backend
+        runs here): the ranks run one after another with collectives that move no data
+        (`InProcessHost.run_alone`), for measuring the ranks' own work; values are meaningless."""
         if self._closed or self._conn is None:
             raise RuntimeError("this world is closed")
         if scenario.setup.world != self.spec:
@@ -138,7 +138,7 @@ class InProcessWorld(WorldBase):
                 f"{self.spec.key}"
             )
         began = time.monotonic()
-        self._conn.send(Task(scenario_json=scenario.model_dump_json()))
+        self._conn.send(Task(scenario_json=scenario.model_dump_json(), gate=gate))
         answer = self._receive(scenario.deadline_s + ANSWER_MARGIN_S)
         if isinstance(answer, HostResult):
             verdict, done, released = answer.verdict, answer.done, answer.released

@@ -135,6 +135,25 @@ def test_runs_are_deterministic_across_runs_and_hosts(inprocess_pool: TrackingPo
         assert _fingerprint(fresh.run(scenario)) == _fingerprint(first)
 
 
+def test_the_ranks_work_alone_runs_every_rank_and_matches_nothing(
+    inprocess_pool: TrackingPool,
+) -> None:
+    """``gate=False`` (the bench's ceiling of the tier): every rank runs its fill and call to
+    the end, one after another; collectives reach the fake backend, so none is released or
+    recorded, and the host stays usable for gated runs."""
+    world = WorldSpec(pp=2, dp=2)
+    scenario = _scenario(world)
+    alone = inprocess_pool.run(scenario, gate=False)
+    assert alone.verdict.kind == "ok", alone.verdict.message
+    assert alone.collectives_released == 0
+    for result in alone.ranks.values():
+        assert result.done is not None and len(result.done.reports) == 1
+        assert result.done.reports[0].error is None and result.done.reports[0].collectives == []
+    gated = inprocess_pool.run(scenario)
+    assert gated.verdict.kind == "ok" and gated.collectives_released > 0
+    assert not judge_run(scenario, gated)
+
+
 ISOLATION_TARGET = """
 import torch.distributed as dist
 _CALLS = []

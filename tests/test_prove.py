@@ -13,6 +13,7 @@ import pytest
 
 from pipemetrics.properties.prove import (
     Bound,
+    BroadcastCase,
     Case,
     Certificate,
     MergeError,
@@ -49,6 +50,11 @@ def test_the_enumeration_is_canonical_and_smallest_first() -> None:
     assert {c.vpp for c in flexible} == {1, 2} and {c.mtp_rank for c in flexible} >= {None, 0}
     for case in flexible:  # every layout string passes Megatron's rules (Setup validates)
         case.setup()
+    new_groups = {(c.world.world_size, c.members) for c in cases
+                  if isinstance(c, BroadcastCase) and c.members}  # fmt: skip
+    world = Bound().max_world  # every subset of two or more ranks, at every world size
+    assert len(new_groups) == sum(2**n - n - 1 for n in range(2, world + 1))
+    assert (4, (1, 3)) in new_groups  # members that are not the first ranks
 
 
 def test_shards_partition_the_cases() -> None:
@@ -84,6 +90,18 @@ def test_calls_in_both_orders_disprove_a_get_mtp_metrics_that_clears_the_moe_tra
     cert = prove(str(path), TINY, report_dir=tmp_path / "report")
     assert not cert.proven and cert.failure is not None
     assert "steps.interleaved" in cert.failure.properties, cert.failure.properties
+
+
+def test_a_new_group_of_later_ranks_disproves_a_global_source_passed_as_group_rank(
+    tmp_path: Path,
+) -> None:
+    """Sampling rarely draws a group whose members are not its first ranks; the new_group
+    broadcasts enumerate them (the smallest is [0, 2] of 3 ranks)."""
+    path = write_mutant("broadcast_global_src_as_group_src", tmp_path / "mutants")
+    cert = prove(str(path), Bound(max_pp=1, max_world=3), report_dir=tmp_path / "report")
+    assert not cert.proven and cert.failure is not None
+    assert "|new_group[0, 2]|" in cert.failure.case, cert.failure.case
+    assert "broadcast.roundtrip" in cert.failure.properties
 
 
 @pytest.mark.parametrize("name", SEED_HANG_MUTANTS)
