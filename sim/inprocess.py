@@ -21,7 +21,6 @@ discarded (`HostResult.reusable` False), as a world with a stuck rank is.
 
 from __future__ import annotations
 
-import inspect
 import os
 import sys
 import threading
@@ -42,7 +41,7 @@ from megatron.core import parallel_state
 
 from pipemetrics.sim.collective_semantics import Contribution, Meeting, contribute
 from pipemetrics.sim.coordinator import Coordinator, Verdict
-from pipemetrics.sim.interpose import COLLECTIVES, Interposer
+from pipemetrics.sim.interpose import COLLECTIVES, Binder, Interposer
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.protocol import CollectiveCall, Done, HostReady, HostResult, Shutdown, Task
 from pipemetrics.sim.rank import RankServer, SimAbort, join_world, orphaned_exit, run_child
@@ -385,15 +384,15 @@ class InProcessHost:
         fake backend stands in for it). Built once per host (signatures included)."""
 
         def dispatcher(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
-            signature = inspect.signature(original)
-            refusing = _refusing_invalid_roots(op, original, signature)
+            binder = Binder(original)
+            refusing = _refusing_invalid_roots(op, original, binder)
 
             def collective(*args: Any, **kwargs: Any) -> Any:
                 rank = self.current
                 if rank is None:  # pragma: no cover - only ranks run code during a task
                     raise RuntimeError(f"{op} called outside any rank of the in-process world")
                 interposer = rank.server.interposer
-                return interposer.intercept(op, refusing, signature, args, kwargs)
+                return interposer.intercept(op, refusing, binder, args, kwargs)
 
             collective.__wrapped__ = original  # type: ignore[attr-defined]
             collective.__name__ = op
@@ -455,7 +454,7 @@ _BACKEND_OP = {
 
 
 def _refusing_invalid_roots(
-    op: str, original: Callable[..., Any], signature: inspect.Signature
+    op: str, original: Callable[..., Any], binder: Binder
 ) -> Callable[..., Any]:
     """``original`` (on the fake backend), refusing a group root out of range as gloo does.
 
@@ -467,10 +466,10 @@ def _refusing_invalid_roots(
 
     def call(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        bound = signature.bind(*args, **kwargs)
+        arguments = binder.arguments(args, kwargs)
         for name in ("group_src", "group_dst"):
-            root = bound.arguments.get(name)
-            group = bound.arguments.get("group") or dist.group.WORLD
+            root = arguments.get(name)
+            group = arguments.get("group") or dist.group.WORLD
             if isinstance(root, int) and not 0 <= root < dist.get_world_size(group):
                 raise RuntimeError(
                     f"ProcessGroupGloo::{_BACKEND_OP.get(op, op)}: invalid root rank: {root}"

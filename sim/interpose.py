@@ -137,6 +137,46 @@ def call_site(limit: int = 4) -> tuple[str, ...]:
     return tuple(frames)
 
 
+class Binder:
+    """A collective's arguments by name, in parameter order, defaults filled in: what
+    ``inspect.Signature.bind`` and ``apply_defaults`` give, without their cost on every call.
+    Calls the plain path does not cover (a missing or duplicate argument, an unknown keyword,
+    too many positional arguments, a signature with ``*args``) go to ``bind``, which also raises
+    Python's own TypeError for a wrong call."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.signature = inspect.signature(function)
+        parameters = list(self.signature.parameters.values())
+        kinds = {inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY}
+        self._plain = all(p.kind in kinds for p in parameters)
+        self._names = [p.name for p in parameters]
+        self._positional = sum(
+            1 for p in parameters if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        self._defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self._plain and len(args) <= self._positional:
+            out: dict[str, Any] = {}
+            used = 0
+            for index, name in enumerate(self._names):
+                if index < len(args):
+                    out[name] = args[index]
+                elif name in kwargs:
+                    out[name] = kwargs[name]
+                    used += 1
+                elif name in self._defaults:
+                    out[name] = self._defaults[name]
+                else:
+                    break  # a required argument is missing: bind raises
+            else:
+                if used == len(kwargs):  # none unknown or given twice: bind raises then
+                    return out
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+
 def invalid_root(arguments: dict[str, Any], ranks: tuple[int, ...]) -> str | None:
     """Why the root of a rooted collective is not a member of its group, or None.
 
@@ -219,10 +259,10 @@ class Interposer:
         self._originals.clear()
 
     def _wrap(self, op: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
+        binder = Binder(original)
 
         def collective(*args: Any, **kwargs: Any) -> Any:
-            return self.intercept(op, original, signature, args, kwargs)
+            return self.intercept(op, original, binder, args, kwargs)
 
         collective.__wrapped__ = original  # type: ignore[attr-defined]
         collective.__name__ = op
@@ -232,14 +272,14 @@ class Interposer:
         self,
         op: str,
         original: Callable[..., Any],
-        signature: inspect.Signature,
+        binder: Binder,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
         """Describe, gate and run one collective call of this rank."""
         if self._depth > 0:
             return original(*args, **kwargs)
-        call, arguments = self._describe(op, signature, args, kwargs)
+        call, arguments = self._describe(op, binder.arguments(args, kwargs))
         index = self._record(call)
         if call.outcome in ("not-member", "rejected"):
             return original(*args, **kwargs)
@@ -277,21 +317,19 @@ class Interposer:
             self.calls[index] = call.model_copy(update=update)
 
     def _describe(
-        self, op: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, op: str, arguments: dict[str, Any]
     ) -> tuple[CollectiveCall, dict[str, Any]]:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        group = bound.arguments.get("group") or dist.group.WORLD
+        group = arguments.get("group") or dist.group.WORLD
         ranks = tuple(dist.get_process_group_ranks(group))
         described = tuple(
             (name, describe_value(name, value))
-            for name, value in bound.arguments.items()
+            for name, value in arguments.items()
             if name not in _IGNORED_ARGS and (value is not None or name in _ROOT_ARGS)
         )
         outcome: Literal["pending", "local", "not-member", "rejected"]
         if self.rank not in ranks:
             outcome = "not-member"
-        elif invalid_root(bound.arguments, ranks) is not None:
+        elif invalid_root(arguments, ranks) is not None:
             outcome = "rejected"
         elif len(ranks) == 1:
             outcome = "local"
@@ -307,9 +345,9 @@ class Interposer:
             call_site=call_site(),
             started_s=time.monotonic(),
             outcome=outcome,
-            payload_bytes=payload_bytes(op, bound.arguments),
+            payload_bytes=payload_bytes(op, arguments),
         )
-        return call, dict(bound.arguments)
+        return call, arguments
 
 
 def installed_wrappers() -> list[str]:
@@ -319,6 +357,7 @@ def installed_wrappers() -> list[str]:
 
 __all__ = [
     "COLLECTIVES",
+    "Binder",
     "Exchange",
     "Gate",
     "Interposer",
