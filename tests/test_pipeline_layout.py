@@ -149,3 +149,23 @@ def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() 
     assert setup.router_slots(1) == [2, 3]  # the MTP layer's router: slot num_layers + 1
     assert [setup.records_mtp_loss(s) for s in range(3)] == [False, False, True]
     assert not setup.records_moe(2)  # the loss-only stage holds no router
+
+
+def test_mtp_chunk_layer_offset_counts_the_decoders_of_every_earlier_chunk() -> None:
+    # megatron-core 0.13-0.15 number an MTP layer's router 1 + this offset.
+    assert Setup(layout=ModelLayout(num_layers=3, mtp_num_layers=1)).mtp_chunk_layer_offset == 0
+    even = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=4, mtp_num_layers=1))
+    assert even.mtp_chunk_layer_offset == 2
+    standalone = Setup(
+        world=WorldSpec(pp=3),
+        layout=ModelLayout(num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Et|tm|L")),
+    )
+    assert standalone.mtp_chunk_layer_offset == 1  # stage 1 follows stage 0's one decoder
+    virtual = Setup(
+        world=WorldSpec(pp=2),
+        layout=ModelLayout(
+            num_layers=5, mtp_num_layers=1, split=LayoutSplit(layout="Et|tt|t|t,mL")
+        ),
+    )
+    # chunks in order (v0: ranks 0, 1; v1: ranks 0, 1): 1 + 2 + 1 decoders before rank 1's v1
+    assert virtual.mtp_chunk_layer_offset == 4
