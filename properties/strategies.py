@@ -44,6 +44,7 @@ from pipemetrics.sim.layout import (
     Setup,
     StageSplit,
     WorldSpec,
+    installed_layout_takes_mtp,
     installed_router_routing,
 )
 from pipemetrics.sim.scenario import Scenario, Step
@@ -115,10 +116,12 @@ def splits(
 ) -> tuple[int, StageSplit]:
     """(num_layers, split): even, explicit (uneven, one-layer and empty stages) or first/last;
     for pp > 1 also Megatron's flexible layouts (``flexible``) and virtual pipelines
-    (``max_vpp`` > 1), see `layer_layouts`."""
+    (``max_vpp`` > 1), see `layer_layouts`; neither with MTP layers where the installed
+    megatron-core's layout refuses them (0.13)."""
     kinds = ["even", "explicit"] + (["first_last"] if pp > 1 else [])
-    kinds += ["layout"] if pp > 1 and flexible else []
-    kinds += ["virtual"] if pp > 1 and max_vpp > 1 else []
+    layouts_ok = not mtp_num_layers or installed_layout_takes_mtp()
+    kinds += ["layout"] if pp > 1 and flexible and layouts_ok else []
+    kinds += ["virtual"] if pp > 1 and max_vpp > 1 and layouts_ok else []
     kind = draw(st.sampled_from(kinds))
     if kind == "layout":
         return draw(layer_layouts(pp, 1, max_per_stage, mtp_num_layers))

@@ -9,6 +9,7 @@ violation names the field and the rule it breaks.
 
 from __future__ import annotations
 
+import ast
 from functools import cached_property
 from importlib import metadata
 from pathlib import Path
@@ -38,22 +39,41 @@ class RouterRouting(NamedTuple):
     """The ``global_aux_loss`` type (0.15+: ``_apply_global_aux_loss``)."""
 
 
-def installed_router_routing() -> RouterRouting:
-    """`RouterRouting` of the installed megatron-core, read from its ``router.py`` without
-    importing megatron (the controller never imports it); the same features
-    ``pipemetrics.sim.router_fill`` detects on the class inside a rank. Everything is assumed
-    present when the file cannot be found."""
+def _installed_source(module: str) -> str | None:
+    """The source of megatron-core's ``megatron/core/{module}.py`` as installed, read without
+    importing megatron (the controller never imports it), or ``None`` when it is not found."""
     try:
-        path = metadata.distribution("megatron-core").locate_file(
-            "megatron/core/transformer/moe/router.py"
-        )
-        source = Path(str(path)).read_text(encoding="utf-8")
+        path = metadata.distribution("megatron-core").locate_file(f"megatron/core/{module}.py")
+        return Path(str(path)).read_text(encoding="utf-8")
     except (metadata.PackageNotFoundError, OSError):
+        return None
+
+
+def installed_router_routing() -> RouterRouting:
+    """`RouterRouting` of the installed megatron-core, read from its ``router.py``; the same
+    features ``pipemetrics.sim.router_fill`` detects on the class inside a rank. Everything is
+    assumed present when the file cannot be found."""
+    source = _installed_source("transformer/moe/router")
+    if source is None:
         return RouterRouting(type_lists=True, global_aux_loss=True)
     return RouterRouting(
         type_lists="def get_aux_loss_coeff(" in source,
         global_aux_loss="def _apply_global_aux_loss(" in source,
     )
+
+
+def installed_layout_takes_mtp() -> bool:
+    """Whether the installed megatron-core's ``PipelineParallelLayerLayout`` accepts MTP layers
+    (0.14+: ``validate_layer_layout`` takes ``mtp_num_layers``; 0.13 raises
+    ``NotImplementedError`` for them), read from its source as `installed_router_routing`
+    does. Assumed when the file cannot be found."""
+    source = _installed_source("transformer/pipeline_parallel_layer_layout")
+    if source is None:
+        return True
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == "validate_layer_layout":
+            return "mtp_num_layers" in [a.arg for a in node.args.args]
+    return True
 
 
 class Frozen(BaseModel):
