@@ -155,8 +155,9 @@ def mtp_router_numbering() -> MtpNumbering:
     * ``"layer_passes_global"`` (0.16, whose ``get_mtp_layer_offset`` takes ``vp_stage``):
       ``MultiTokenPredictionLayer`` hands its transformer layer ``num_layers + k``.
     * ``"default_layer_number"`` (0.13-0.15): the MTP transformer layer is built without a
-      layer number (1) plus ``get_transformer_layer_offset`` of the chunk that builds it, so the
-      router records into the slot of that chunk's first decoder layer.
+      layer number (1) plus ``get_transformer_layer_offset`` of the chunk that builds it (the
+      decoder layers of every earlier chunk, `Setup.mtp_chunk_layer_offset`), so the router
+      records into the slot of that chunk's first decoder layer, if it has one.
     """
     if "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters:
         return "router_adds_num_layers"
