@@ -1,7 +1,7 @@
-"""The megatron-core version matrix: the test suite against the oldest and the newest supported
-release, each in its own Python 3.12 virtualenv.
+"""The megatron-core version matrix: the test suite against every supported minor release
+(`MEGATRON_CORE`), each in its own Python 3.12 virtualenv.
 
-    .venv/bin/nox -f ci/noxfile.py                        # both releases
+    .venv/bin/nox -f ci/noxfile.py                        # every release
     .venv/bin/nox -f ci/noxfile.py -s "tests(megatron='0.18.2')" -- -k vendor   # one, pytest args
 
 ``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub

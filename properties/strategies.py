@@ -39,10 +39,13 @@ from pipemetrics.sim.layout import (
     FirstLastSplit,
     LayoutSplit,
     ModelLayout,
+    RouterRouting,
     RoutingType,
     Setup,
     StageSplit,
     WorldSpec,
+    installed_layout_takes_mtp,
+    installed_router_routing,
 )
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import broadcast_plan, places_for
@@ -113,10 +116,12 @@ def splits(
 ) -> tuple[int, StageSplit]:
     """(num_layers, split): even, explicit (uneven, one-layer and empty stages) or first/last;
     for pp > 1 also Megatron's flexible layouts (``flexible``) and virtual pipelines
-    (``max_vpp`` > 1), see `layer_layouts`."""
+    (``max_vpp`` > 1), see `layer_layouts`; neither with MTP layers where the installed
+    megatron-core's layout refuses them (0.13)."""
     kinds = ["even", "explicit"] + (["first_last"] if pp > 1 else [])
-    kinds += ["layout"] if pp > 1 and flexible else []
-    kinds += ["virtual"] if pp > 1 and max_vpp > 1 else []
+    layouts_ok = not mtp_num_layers or installed_layout_takes_mtp()
+    kinds += ["layout"] if pp > 1 and flexible and layouts_ok else []
+    kinds += ["virtual"] if pp > 1 and max_vpp > 1 and layouts_ok else []
     kind = draw(st.sampled_from(kinds))
     if kind == "layout":
         return draw(layer_layouts(pp, 1, max_per_stage, mtp_num_layers))
@@ -179,23 +184,32 @@ def moe_patterns(draw: st.DrawFn, num_layers: int) -> int | list[Literal[0, 1]]:
 
 COEFFICIENTS = st.sampled_from([0.0, 1e-3, 1e-2, 1.0])
 ROUTING_TYPES: list[RoutingType] = [*AUX_LOSS_TYPES, "sinkhorn", "none"]
+EVERY_ROUTING = RouterRouting(type_lists=True, global_aux_loss=True)
 
 
 @st.composite
 def routing_configs(
-    draw: st.DrawFn, *, z_loss: bool = True, sinkhorn: bool = True
+    draw: st.DrawFn,
+    *,
+    z_loss: bool = True,
+    sinkhorn: bool = True,
+    router: RouterRouting = EVERY_ROUTING,
 ) -> dict[str, object]:
-    """routing_type / aux_loss_coeff (single or list, zero coefficients) and z_loss_coeff."""
-    types = [t for t in ROUTING_TYPES if sinkhorn or t != "sinkhorn"]
-    if draw(st.booleans()):
+    """routing_type / aux_loss_coeff (single or list, zero coefficients) and z_loss_coeff;
+    only what ``router`` says the router runs (lists, ``global_aux_loss``)."""
+    types = [
+        t
+        for t in ROUTING_TYPES
+        if (sinkhorn or t != "sinkhorn") and (router.global_aux_loss or t != "global_aux_loss")
+    ]
+    aux_types = [t for t in AUX_LOSS_TYPES if t in types]
+    if not router.type_lists or draw(st.booleans()):
         routing: RoutingType | list[RoutingType] = draw(st.sampled_from(types))
         coeff: float | list[float] = draw(COEFFICIENTS)
         if routing == "sinkhorn":
             coeff = 0.0
     else:
-        listed = draw(
-            st.lists(st.sampled_from(list(AUX_LOSS_TYPES)), min_size=1, max_size=3, unique=True)
-        )
+        listed = draw(st.lists(st.sampled_from(aux_types), min_size=1, max_size=3, unique=True))
         routing = listed
         coeff = [draw(COEFFICIENTS) for _ in listed]
     z = draw(st.sampled_from([None, 0.0, 1e-3])) if z_loss else None
@@ -555,11 +569,12 @@ def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic)
 
 @st.composite
 def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
-    """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``."""
+    """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``. Only
+    routing configurations the installed release's router runs are drawn."""
     setup = draw(
         setups(
             profile,
-            routing=routing_configs(sinkhorn=False),
+            routing=routing_configs(sinkhorn=False, router=installed_router_routing()),
             shapes=world_shapes(profile, max_size=4),
         )
     )

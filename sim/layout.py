@@ -9,8 +9,11 @@ violation names the field and the rule it breaks.
 
 from __future__ import annotations
 
+import ast
 from functools import cached_property
-from typing import Annotated, Literal
+from importlib import metadata
+from pathlib import Path
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +28,52 @@ TRACK_NAME_OF: dict[str, str] = {
 }
 
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class RouterRouting(NamedTuple):
+    """What the installed megatron-core's ``TopKRouter`` runs beyond one aux-loss type."""
+
+    type_lists: bool
+    """A list of load-balancing types (0.14+: ``get_aux_loss_coeff``)."""
+    global_aux_loss: bool
+    """The ``global_aux_loss`` type (0.15+: ``_apply_global_aux_loss``)."""
+
+
+def _installed_source(module: str) -> str | None:
+    """The source of megatron-core's ``megatron/core/{module}.py`` as installed, read without
+    importing megatron (the controller never imports it), or ``None`` when it is not found."""
+    try:
+        path = metadata.distribution("megatron-core").locate_file(f"megatron/core/{module}.py")
+        return Path(str(path)).read_text(encoding="utf-8")
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+
+
+def installed_router_routing() -> RouterRouting:
+    """`RouterRouting` of the installed megatron-core, read from its ``router.py``; the same
+    features ``pipemetrics.sim.router_fill`` detects on the class inside a rank. Everything is
+    assumed present when the file cannot be found."""
+    source = _installed_source("transformer/moe/router")
+    if source is None:
+        return RouterRouting(type_lists=True, global_aux_loss=True)
+    return RouterRouting(
+        type_lists="def get_aux_loss_coeff(" in source,
+        global_aux_loss="def _apply_global_aux_loss(" in source,
+    )
+
+
+def installed_layout_takes_mtp() -> bool:
+    """Whether the installed megatron-core's ``PipelineParallelLayerLayout`` accepts MTP layers
+    (0.14+: ``validate_layer_layout`` takes ``mtp_num_layers``; 0.13 raises
+    ``NotImplementedError`` for them), read from its source as `installed_router_routing`
+    does. Assumed when the file cannot be found."""
+    source = _installed_source("transformer/pipeline_parallel_layer_layout")
+    if source is None:
+        return True
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and node.name == "validate_layer_layout":
+            return "mtp_num_layers" in [a.arg for a in node.args.args]
+    return True
 
 
 class Frozen(BaseModel):
@@ -315,6 +364,20 @@ class Setup(Frozen):
         if stage != self.mtp_stage:
             return []
         return list(range(1, self.layout.mtp_num_layers + 1))
+
+    @property
+    def mtp_chunk_layer_offset(self) -> int:
+        """Megatron's ``get_transformer_layer_offset`` of the chunk that builds the MTP layers
+        (the last chunk of `mtp_stage`): the decoder layers of every chunk before it, virtual
+        stage by virtual stage. megatron-core 0.13-0.15 number an MTP layer's router
+        ``1 + offset``."""
+        last = self.vpp - 1
+        return sum(
+            len(self.stage_chunks[p][v])
+            for v in range(self.vpp)
+            for p in range(self.world.pp)
+            if (v, p) < (last, self.mtp_stage)
+        )
 
     def records_mtp_loss(self, stage: int) -> bool:
         """Whether ``MTPLossLoggingHelper``'s tracker is filled on ``stage``: the last stage,

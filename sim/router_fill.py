@@ -9,12 +9,23 @@ the ``needs_dp_avg`` flags are megatron-core's, not a re-implementation. `Router
 does the same for ``MTPLossLoggingHelper`` with the exact call that
 ``megatron/core/transformer/multi_token_prediction.py`` makes.
 
+Every supported release's own router is built, by feature (`router_constructor_kwargs`,
+`mtp_router_numbering`): the process groups go in as ``pg_collection`` (0.15+) or
+``model_comm_pgs`` (0.13/0.14), built by the release's own ``moe_utils`` default that
+``MoELayer`` uses when given none; MoE routers inside MTP layers are numbered as that release's
+``MultiTokenPredictionLayer`` numbers them (survey ``docs/megatron-core-releases.md`` §2.3), so
+on 0.13-0.15 they record into the slot of the MTP stage's first decoder layer, as training on
+those releases does. A routing configuration the installed router cannot run (a list of types
+before 0.14, ``global_aux_loss`` before 0.15) is refused with a `ValueError`
+(`unsupported_routing`) instead of failing inside Megatron.
+
 What it takes to run ``TopKRouter`` on a CPU-only machine (megatron-core 0.19.2):
 
 * ``torch.cuda.current_device()`` must answer with the CPU (`cpu_current_device`): the router
   moves its gate weight there in ``gating()``, registers the global-aux-loss buffers there, and
   ``MTPLossLoggingHelper`` creates its tensors there.
-* ``moe_router_fusion`` stays False (its default; the fused path needs Transformer Engine), as do
+* ``moe_router_fusion`` stays False where the config has it (0.14+; its default; the fused path
+  needs Transformer Engine), as do
   ``moe_router_enable_expert_bias`` and ``moe_router_force_load_balancing``.
 * ``add_bias_linear=False``: with the default True, a config with tensor parallelism > 1 fails
   ("Bias in Moe is only supported when ETP==1", expert-TP defaults to TP). The router then has no
@@ -23,6 +34,8 @@ What it takes to run ``TopKRouter`` on a CPU-only machine (megatron-core 0.19.2)
   by ``config.init_method`` from torch's global RNG, which is seeded from (seed, layer) only, so
   every rank holding the same layer holds the same weight (like a replicated weight in training).
 * ``pipeline_dtype`` must be given when pp > 1.
+* On 0.13-0.16 without Transformer Engine, ``moe_utils.te_general_gemm`` must exist
+  (`te_gemm_fallback` binds it to ``None`` as 0.17 does).
 
 A router forward is a collective: the aux and seq aux losses all-reduce token counts over the
 tensor+context group, the global aux loss over tensor+data+context. All ranks of a stage must run
@@ -31,19 +44,24 @@ tensor+context group, the global aux loss over tensor+data+context. All ranks of
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import importlib
+import inspect
 import math
 import warnings
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed.finalize_model_grads import reset_model_temporary_tensors
-from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import multi_token_prediction
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.layout import ModelLayout, Setup
 from pipemetrics.sim.trackers import cpu_current_device, save_mtp
 
 SEQ_LENGTH = 4
@@ -73,6 +91,133 @@ def _generator(*parts: int) -> torch.Generator:
     return gen
 
 
+MtpNumbering = Literal["router_adds_num_layers", "layer_passes_global", "default_layer_number"]
+
+
+def router_takes_type_lists() -> bool:
+    """Whether the installed ``TopKRouter`` runs a list of load-balancing types (0.14+: it has
+    ``get_aux_loss_coeff``; 0.13 compares ``routing_type`` to single strings and raises
+    ``Unsupported MoE routing type`` for anything else)."""
+    return hasattr(TopKRouter, "get_aux_loss_coeff")
+
+
+def router_runs_global_aux_loss() -> bool:
+    """Whether the installed ``TopKRouter`` computes ``global_aux_loss`` (0.15+; 0.14 silently
+    skips it in a list, 0.13 raises for it)."""
+    return hasattr(TopKRouter, "_apply_global_aux_loss")
+
+
+def unsupported_routing(layout: ModelLayout) -> str | None:
+    """Why the installed release's router cannot run ``layout``'s routing configuration, or
+    ``None`` when it can (feature detection, see `router_takes_type_lists` and
+    `router_runs_global_aux_loss`)."""
+    types = layout.routing_type if isinstance(layout.routing_type, list) else [layout.routing_type]
+    if isinstance(layout.routing_type, list) and not router_takes_type_lists():
+        return (
+            f"routing_type: the installed megatron-core's TopKRouter takes one load-balancing "
+            f"type, not a list (lists: 0.14+), got {layout.routing_type!r}"
+        )
+    if "global_aux_loss" in types and not router_runs_global_aux_loss():
+        return (
+            "routing_type: the installed megatron-core's TopKRouter has no global_aux_loss (0.15+)"
+        )
+    return None
+
+
+def router_constructor_kwargs(is_mtp: bool) -> dict[str, Any]:
+    """The process-group and MTP keyword arguments the installed ``TopKRouter`` takes.
+
+    ``pg_collection`` (0.15+) or ``model_comm_pgs`` (0.13/0.14), each built by the release's own
+    ``moe_utils`` default (``get_default_pg_collection`` / ``get_default_model_comm_pgs``), as
+    ``MoELayer`` builds it when given none; ``is_mtp_layer`` where the router takes it (0.17+).
+    """
+    params = inspect.signature(TopKRouter.__init__).parameters
+    kwargs: dict[str, Any] = {}
+    if "pg_collection" in params:
+        kwargs["pg_collection"] = moe_utils.get_default_pg_collection()
+    elif "model_comm_pgs" in params:
+        kwargs["model_comm_pgs"] = moe_utils.get_default_model_comm_pgs()
+    else:
+        raise TypeError(
+            "the installed megatron-core's TopKRouter takes neither pg_collection nor "
+            f"model_comm_pgs: {list(params)}"
+        )
+    if "is_mtp_layer" in params:
+        kwargs["is_mtp_layer"] = is_mtp
+    return kwargs
+
+
+def mtp_router_numbering() -> MtpNumbering:
+    """How the installed release numbers the router of a MoE layer inside MTP layer ``k``.
+
+    * ``"router_adds_num_layers"`` (0.17+): built with ``is_mtp_layer=True``, layer number ``k``;
+      the router records at ``k + num_layers``.
+    * ``"layer_passes_global"`` (0.16, whose ``get_mtp_layer_offset`` takes ``vp_stage``):
+      ``MultiTokenPredictionLayer`` hands its transformer layer ``num_layers + k``.
+    * ``"default_layer_number"`` (0.13-0.15): the MTP transformer layer is built without a
+      layer number (1) plus ``get_transformer_layer_offset`` of the chunk that builds it (the
+      decoder layers of every earlier chunk, `Setup.mtp_chunk_layer_offset`), so the router
+      records into the slot of that chunk's first decoder layer, if it has one.
+    """
+    if "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters:
+        return "router_adds_num_layers"
+    offset = inspect.signature(multi_token_prediction.get_mtp_layer_offset).parameters
+    if "vp_stage" in offset:
+        return "layer_passes_global"
+    return "default_layer_number"
+
+
+def mtp_router_layer_number(setup: Setup, k: int, numbering: MtpNumbering) -> int:
+    """The layer number ``set_layer_number`` gets for the router of 1-based MTP layer ``k``."""
+    if numbering == "router_adds_num_layers":
+        return k
+    if numbering == "layer_passes_global":
+        return setup.layout.num_layers + k
+    return 1 + setup.mtp_chunk_layer_offset
+
+
+def mtp_loss_avg_group() -> Any:
+    """The ``avg_group`` the installed release saves the MTP loss with: the data+context group
+    where ``GPTModel`` / ``process_mtp_loss`` saves it (0.14+), the tensor+context group where
+    ``MultiTokenPredictionBlock.forward`` saves it itself (0.13)."""
+    forward = multi_token_prediction.MultiTokenPredictionBlock.forward
+    if "save_loss_to_tracker" in inspect.getsource(forward):
+        return parallel_state.get_tensor_and_context_parallel_group()
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+@contextmanager
+def te_gemm_fallback() -> Iterator[None]:
+    """Let the router's gate run without Transformer Engine on megatron-core 0.13-0.16.
+
+    ``moe_utils.router_gating_linear`` tests ``te_general_gemm is not None`` and otherwise
+    multiplies with ``torch.mm``, but 0.13-0.16 bind ``te_general_gemm`` only when Transformer
+    Engine imports, so without it every router forward raises ``NameError``. 0.17 fixed this by
+    binding ``None``; this does the same, for the duration of the block, where the name is
+    missing (and removes it again on exit). Nothing is patched where the name exists (0.17+, or
+    Transformer Engine installed). Nesting is safe.
+    """
+    if hasattr(moe_utils, "te_general_gemm"):
+        yield
+        return
+    moe_utils.te_general_gemm = None
+    try:
+        yield
+    finally:
+        del moe_utils.te_general_gemm
+
+
+def _reset_temporary_tensors() -> Callable[[Any, list[torch.nn.Module]], None] | None:
+    """``finalize_model_grads.reset_model_temporary_tensors`` (0.15+, where routers hold
+    global-aux-loss state), or ``None`` (0.13/0.14: nothing to reset)."""
+    # the module, not the function ``megatron.core.distributed`` exports under the same name
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    reset: Callable[[Any, list[torch.nn.Module]], None] | None = getattr(
+        module, "reset_model_temporary_tensors", None
+    )
+    return reset
+
+
 def build_transformer_config(setup: Setup) -> Any:
     """A real ``TransformerConfig`` for ``setup`` with everything the router reads.
 
@@ -80,7 +225,8 @@ def build_transformer_config(setup: Setup) -> Any:
     routing without it. The pipeline split is not passed: the router reads only ``num_layers`` and
     ``mtp_num_layers``; which layers a stage owns comes from `Setup`. Megatron's
     ``UserWarning``s about unrelated defaults (``moe_ffn_hidden_size``, cuda-graph scope,
-    EP with TP without sequence parallelism) are silenced.
+    EP with TP without sequence parallelism) are silenced. ``moe_router_fusion`` is passed only
+    where the installed config has the field (0.14+).
     """
     layout, world = setup.layout, setup.world
     hidden = BASE_HIDDEN_SIZE * world.tp // math.gcd(BASE_HIDDEN_SIZE, world.tp)
@@ -92,6 +238,8 @@ def build_transformer_config(setup: Setup) -> Any:
         if isinstance(layout.aux_loss_coeff, list)
         else float(layout.aux_loss_coeff)
     )
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    fusion = {"moe_router_fusion": False} if "moe_router_fusion" in fields else {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
         return TransformerConfig(
@@ -122,8 +270,8 @@ def build_transformer_config(setup: Setup) -> Any:
             use_cpu_initialization=True,
             perform_initialization=True,
             add_bias_linear=False,
-            moe_router_fusion=False,
             moe_router_enable_expert_bias=False,
+            **fusion,
         )
 
 
@@ -131,10 +279,11 @@ class RouterStage:
     """The real ``TopKRouter``s of one pipeline stage, built once per scenario in a rank process.
 
     ``routers`` holds ``(layer_number, is_mtp, router)`` in forward order: main MoE layers
-    (1-based global numbers, recorded at tracker slot ``layer_number``), then, on the last stage
-    when ``setup.layout.mtp_is_moe``, one router per MTP layer (``layer_number`` 1..mtp, built
-    with ``is_mtp_layer=True`` as ``MultiTokenPredictionLayer`` builds it, recorded by Megatron at
-    slot ``layer_number + num_layers``).
+    (1-based global numbers, recorded at tracker slot ``layer_number``), then, on the MTP stage
+    when ``setup.layout.mtp_is_moe``, one router per MTP layer (``layer_number`` 1..mtp), built
+    and numbered as the installed release's ``MultiTokenPredictionLayer`` does
+    (`mtp_router_numbering`): slot ``layer_number + num_layers`` on 0.16+, the slot of the MTP
+    chunk's first decoder layer on 0.13-0.15 (`moe_slots` holds the slots).
 
     Build it after ``parallel_state.initialize_model_parallel`` with sizes matching
     ``setup.world``; ``stage`` must be ``parallel_state.get_pipeline_model_parallel_rank()``.
@@ -159,6 +308,9 @@ class RouterStage:
         if stage != pp_rank:
             raise ValueError(f"stage: {stage} given, but this rank is on pipeline stage {pp_rank}")
         layout = setup.layout
+        refused = unsupported_routing(layout)
+        if refused is not None:
+            raise ValueError(refused)
         if layout.routing_type == "sinkhorn" and layout.aux_coeff("sinkhorn") > 0:
             raise ValueError(
                 "aux_loss_coeff: Megatron's sinkhorn routing asserts moe_aux_loss_coeff == 0 "
@@ -169,29 +321,30 @@ class RouterStage:
         self.stage = stage
         self.seed = seed
         self.config: Any = build_transformer_config(setup)
-        self.pg_collection: Any = ProcessGroupCollection.use_mpu_process_groups()
         self.dp_rank: int = parallel_state.get_data_parallel_rank()
         self.cp_rank: int = parallel_state.get_context_parallel_rank()
+        numbering = mtp_router_numbering()
 
         plan = [(n, False) for n in setup.moe_layers_on_stage(stage)]
         if layout.mtp_is_moe:
             plan += [(k, True) for k in setup.mtp_layers_on_stage(stage)]
         self.routers: list[tuple[int, bool, Any]] = []
+        self.moe_slots: list[int] = []
+        """1-based MoE tracker slots this stage's routers record into, in forward order."""
         with cpu_current_device(), torch.random.fork_rng(devices=[]):
             for layer_number, is_mtp in plan:
                 torch.manual_seed(_mix(seed, 0, int(is_mtp), layer_number))
-                router = TopKRouter(
-                    config=self.config, pg_collection=self.pg_collection, is_mtp_layer=is_mtp
+                router = TopKRouter(config=self.config, **router_constructor_kwargs(is_mtp))
+                number = (
+                    mtp_router_layer_number(setup, layer_number, numbering)
+                    if is_mtp
+                    else layer_number
                 )
-                router.set_layer_number(layer_number)
+                router.set_layer_number(number)
                 self.routers.append((layer_number, is_mtp, router))
+                adds = is_mtp and numbering == "router_adds_num_layers"
+                self.moe_slots.append(number + layout.num_layers if adds else number)
         self._module = torch.nn.ModuleList([r for _, _, r in self.routers])
-
-    @property
-    def moe_slots(self) -> list[int]:
-        """1-based MoE tracker slots this stage records into, in forward order."""
-        n = self.setup.layout.num_layers
-        return [k + n if is_mtp else k for k, is_mtp, _ in self.routers]
 
     @property
     def records_mtp(self) -> bool:
@@ -209,7 +362,7 @@ class RouterStage:
         """
         device = _device()
         hidden = self.config.hidden_size
-        with cpu_current_device(), torch.enable_grad():
+        with cpu_current_device(), te_gemm_fallback(), torch.enable_grad():
             for layer_number, is_mtp, router in self.routers:
                 gen = _generator(
                     self.seed, 1, step, microbatch, self.dp_rank, self.cp_rank,
@@ -227,8 +380,9 @@ class RouterStage:
         On the last stage with ``mtp_num_layers > 0``, per MTP layer (0-based ``layer_number``,
         as Megatron passes ``mtp_layer_number`` from ``range(config.mtp_num_layers)``):
         ``save_metrics_to_tracker(loss, correct, total, layer_number, mtp_num_layers,
-        avg_group=dp_cp group)`` with no reduce_group (megatron-core 0.18:
-        ``save_loss_to_tracker``, the loss only; see `save_mtp`). Values drawn from (seed, step,
+        avg_group=dp_cp group)`` with no reduce_group (megatron-core 0.13-0.18:
+        ``save_loss_to_tracker``, the loss only, see `save_mtp`; 0.13 with the tensor+context
+        group, see `mtp_loss_avg_group`). Values drawn from (seed, step,
         microbatch, dp rank, cp rank, layer): loss in [0.5, 3.5), total an integer in
         [1, SEQ_LENGTH * MICRO_BATCH_SIZE * 4], correct an integer in [0, total], all float
         scalars. A no-op elsewhere.
@@ -238,7 +392,7 @@ class RouterStage:
         device = _device()
         mtp_num_layers = self.setup.layout.mtp_num_layers
         max_total = SEQ_LENGTH * MICRO_BATCH_SIZE * 4
-        avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        avg_group = mtp_loss_avg_group()
         with cpu_current_device():
             for layer in range(mtp_num_layers):
                 gen = _generator(self.seed, 2, step, microbatch, self.dp_rank, self.cp_rank, layer)
@@ -256,9 +410,13 @@ class RouterStage:
 
     def finish_step(self) -> None:
         """End a training step as ``finalize_model_grads`` does: Megatron's own
-        ``reset_model_temporary_tensors``, which zeroes the global-aux-loss token counts and
-        ``ga_steps`` that otherwise keep accumulating across microbatches *and* steps.
-        The trackers themselves are not touched (the code under test reduces and clears them).
+        ``reset_model_temporary_tensors`` (0.15+), which zeroes the global-aux-loss token counts
+        and ``ga_steps`` that otherwise keep accumulating across microbatches *and* steps; 0.13
+        and 0.14 have neither the function nor that state. The trackers themselves are not
+        touched (the code under test reduces and clears them).
         """
+        reset = _reset_temporary_tensors()
+        if reset is None:
+            return
         with cpu_current_device():
-            reset_model_temporary_tensors(self.config, [self._module])
+            reset(self.config, [self._module])

@@ -48,7 +48,7 @@ MOE_PROPERTIES = ("moe.values", "moe.names", "moe.per_layer", "moe.rank_agreemen
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
     legacy_tracker(),
-    reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker; router mode is 0.18+ only)",
+    reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 
 

@@ -10,13 +10,20 @@ must give every (pipeline rank, chunk) the same global decoder layers and the sa
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from itertools import product
 from typing import Any
 
 import pytest
 
-from pipemetrics.sim.layout import LayoutSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.layout import (
+    LayoutSplit,
+    ModelLayout,
+    Setup,
+    WorldSpec,
+    installed_layout_takes_mtp,
+)
 from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 
 STAGE_CONTENTS = ("", "E", "t", "tt", "m", "L", "Et", "tm", "tL", "mL", "Etm", "mt", "LE", "EtL")
@@ -77,6 +84,12 @@ def our_outcome(text: str, pp: int, n: int, m: int) -> Any:
 
 def test_every_small_layout_agrees_with_megatron(megatron_layout: Any) -> None:
     cls, parallel_state = megatron_layout
+    if "pp_rank" not in inspect.signature(cls.get_layer_id_list).parameters:
+        pytest.skip(
+            "pipemetrics models megatron-core 0.15+'s layout class (get_layer_id_list(pp_rank=), "
+            "validate_layer_layout(num_layers, mtp_num_layers), mtp_standalone); 0.13/0.14 read "
+            "the rank from parallel_state and 0.13 refuses MTP in a layout"
+        )
     checked = accepted = 0
     for text, pp in layouts():
         flat = "".join(text.split("|"))
@@ -149,3 +162,33 @@ def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() 
     assert setup.router_slots(1) == [2, 3]  # the MTP layer's router: slot num_layers + 1
     assert [setup.records_mtp_loss(s) for s in range(3)] == [False, False, True]
     assert not setup.records_moe(2)  # the loss-only stage holds no router
+
+
+def test_mtp_chunk_layer_offset_counts_the_decoders_of_every_earlier_chunk() -> None:
+    # megatron-core 0.13-0.15 number an MTP layer's router 1 + this offset.
+    assert Setup(layout=ModelLayout(num_layers=3, mtp_num_layers=1)).mtp_chunk_layer_offset == 0
+    even = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=4, mtp_num_layers=1))
+    assert even.mtp_chunk_layer_offset == 2
+    standalone = Setup(
+        world=WorldSpec(pp=3),
+        layout=ModelLayout(num_layers=2, mtp_num_layers=1, split=LayoutSplit(layout="Et|tm|L")),
+    )
+    assert standalone.mtp_chunk_layer_offset == 1  # stage 1 follows stage 0's one decoder
+    virtual = Setup(
+        world=WorldSpec(pp=2),
+        layout=ModelLayout(
+            num_layers=5, mtp_num_layers=1, split=LayoutSplit(layout="Et|tt|t|t,mL")
+        ),
+    )
+    # chunks in order (v0: ranks 0, 1; v1: ranks 0, 1): 1 + 2 + 1 decoders before rank 1's v1
+    assert virtual.mtp_chunk_layer_offset == 4
+
+
+def test_layout_mtp_support_read_without_megatron_matches_the_class() -> None:
+    # the controller decides from the source text whether to draw MTP in layouts
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    takes = inspect.signature(PipelineParallelLayerLayout.validate_layer_layout).parameters
+    assert installed_layout_takes_mtp() == ("mtp_num_layers" in takes)

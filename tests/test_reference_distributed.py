@@ -26,7 +26,7 @@ AUX = "load_balancing_loss"
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
     legacy_tracker(),
-    reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker; router mode is 0.18+ only)",
+    reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 
 

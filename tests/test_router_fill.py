@@ -15,22 +15,34 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_logging import (
-    destroy_moe_metrics_tracker,
-    get_moe_metrics_tracker,
-)
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.router_fill import RouterStage
-from pipemetrics.sim.trackers import cpu_current_device, mtp_counts_acceptance, reset_trackers
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec, installed_router_routing
+from pipemetrics.sim.router_fill import (
+    RouterStage,
+    router_runs_global_aux_loss,
+    router_takes_type_lists,
+    unsupported_routing,
+)
+from pipemetrics.sim.trackers import (
+    cpu_current_device,
+    moe_tracker_entries,
+    mtp_counts_acceptance,
+    reset_trackers,
+)
 
-#: The MTP tracker's loss key: megatron-core 0.19 ``save_metrics_to_tracker`` / 0.18
+#: The installed release as (major, minor). The router code detects features; these tests state
+#: what each release's router records (docs/megatron-core-releases.md §2.2, §2.3, §3), so they
+#: name the release.
+RELEASE = tuple(int(part) for part in version("megatron-core").split(".")[:2])
+#: The MTP tracker's loss key: megatron-core 0.19 ``save_metrics_to_tracker`` / 0.13-0.18
 #: ``save_loss_to_tracker``.
 MTP_LOSS_KEY = "loss_values" if mtp_counts_acceptance() else "values"
-#: megatron-core 0.18's router records z_loss without an avg_group; 0.19's averages it over
-#: tensor+data+context. Nothing in the API tells them apart, so this one goes by the release.
-Z_LOSS_AVG_OVER_TP_DP_CP = not version("megatron-core").startswith("0.18.")
+#: 0.19's router averages z_loss over tensor+data+context; earlier ones give it no group.
+Z_LOSS_AVG_OVER_TP_DP_CP = RELEASE >= (0, 19)
+#: 0.13-0.15 build an MTP layer's transformer layer without a layer number: its router records
+#: into the slot of the MTP chunk's first decoder layer; 0.16+ into ``num_layers + k``.
+MTP_ROUTER_IN_DECODER_SLOT = RELEASE < (0, 16)
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +72,13 @@ def _nonzero_slots(values: torch.Tensor) -> list[int]:
     return [i + 1 for i, v in enumerate(values.tolist()) if v != 0.0]
 
 
+def _entries() -> dict[str, tuple[torch.Tensor, object, object, bool]]:
+    """The MoE tracker (either release's API): ``{name: (values, reduce, avg, needs_dp_avg)}``."""
+    return moe_tracker_entries()
+
+
 def _moe_snapshot() -> dict[str, list[float]]:
-    return {n: e.values.tolist() for n, e in get_moe_metrics_tracker().metrics.items()}
+    return {n: e[0].tolist() for n, e in _entries().items()}
 
 
 def _run(stage: RouterStage, microbatches: int) -> None:
@@ -77,24 +94,38 @@ def test_slots_names_and_groups_for_dense_pattern_with_mtp(fresh: None) -> None:
     setup = Setup(layout=layout)
     stage = RouterStage(setup, 0, seed=7)
     assert [(n, mtp) for n, mtp, _ in stage.routers] == [(2, False), (4, False), (1, True)]
-    assert stage.moe_slots == [2, 4, 5]
+    # one stage: the MTP chunk's decoder offset is 0, so 0.13-0.15 record MTP into slot 1
+    mtp_slot = 1 if MTP_ROUTER_IN_DECODER_SLOT else 5
+    assert stage.moe_slots == [2, 4, mtp_slot]
 
     _run(stage, microbatches=2)
-    metrics = get_moe_metrics_tracker().metrics
-    assert list(metrics) == layout.live_track_names == ["z_loss", "load_balancing_loss"]
-    for entry in metrics.values():
-        assert entry.values.shape == (layout.track_length,)
-        assert entry.values.device.type == "cpu"
-        assert _nonzero_slots(entry.values) == [2, 4, 5]
-        assert all(math.isfinite(v) and v > 0 for v in entry.values.tolist() if v != 0.0)
+    entries = _entries()
+    assert list(entries) == layout.live_track_names == ["z_loss", "load_balancing_loss"]
+    for values, *_ in entries.values():
+        assert values.shape == (layout.track_length,)
+        assert values.device.type == "cpu"
+        assert _nonzero_slots(values) == sorted([2, 4, mtp_slot])
+        assert all(math.isfinite(v) and v > 0 for v in values.tolist() if v != 0.0)
 
     tp_cp = parallel_state.get_tensor_and_context_parallel_group()
     tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    lb = metrics["load_balancing_loss"]
-    assert (lb.reduce_group, lb.avg_group, lb.needs_dp_avg) == (tp_cp, None, True)
-    z = metrics["z_loss"]
+    # 0.13 passes tensor+context only when it has more than one rank (here it has one)
+    lb_reduce = tp_cp if RELEASE >= (0, 14) or tp_cp.size() > 1 else None
+    assert entries["load_balancing_loss"][1:] == (lb_reduce, None, True)
     z_avg = tp_dp_cp if Z_LOSS_AVG_OVER_TP_DP_CP else None
-    assert (z.reduce_group, z.avg_group, z.needs_dp_avg) == (None, z_avg, True)
+    assert entries["z_loss"][1:] == (None, z_avg, True)
+
+
+def test_mtp_routers_on_the_first_stage_of_a_release_without_mtp_numbering(fresh: None) -> None:
+    # Two MoE MTP layers: on 0.13-0.15 both routers share the first decoder layer's slot (a
+    # real megatron-core state: the trackers hold what training on that release records).
+    layout = ModelLayout(num_layers=2, mtp_num_layers=2)
+    stage = RouterStage(Setup(layout=layout), 0, seed=2)
+    want = [1, 2, 1, 1] if MTP_ROUTER_IN_DECODER_SLOT else [1, 2, 3, 4]
+    assert stage.moe_slots == want
+    stage.forward_microbatch(0)
+    (values, *_) = _entries()["load_balancing_loss"]
+    assert _nonzero_slots(values) == sorted(set(want))
 
 
 def test_all_aux_types_record_in_forward_order(fresh: None) -> None:
@@ -104,37 +135,58 @@ def test_all_aux_types_record_in_forward_order(fresh: None) -> None:
         aux_loss_coeff=[0.03, 0.01, 0.02],
         z_loss_coeff=1e-3,
     )
+    if RELEASE < (0, 15):  # no global_aux_loss; 0.13: no lists either
+        assert unsupported_routing(layout) is not None
+        with pytest.raises(ValueError, match="routing_type"):
+            RouterStage(Setup(layout=layout), 0, seed=1)
+        return
     stage = RouterStage(Setup(layout=layout), 0, seed=1)
     stage.forward_microbatch(0)
-    metrics = get_moe_metrics_tracker().metrics
-    assert list(metrics) == layout.live_track_names
-    assert list(metrics) == [
+    entries = _entries()
+    assert list(entries) == layout.live_track_names
+    assert list(entries) == [
         "z_loss",
         "load_balancing_loss",
         "seq_load_balancing_loss",
         "global_load_balancing_loss",
     ]
-    glb = metrics["global_load_balancing_loss"]
     tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    assert (glb.reduce_group, glb.avg_group, glb.needs_dp_avg) == (tp_dp_cp, None, False)
-    for entry in metrics.values():
-        assert _nonzero_slots(entry.values) == [1, 2]
+    # 0.15 has no reduce_group_has_dp flag (read as needs_dp_avg=True); 0.16+ mark it
+    assert entries["global_load_balancing_loss"][1:] == (tp_dp_cp, None, RELEASE < (0, 16))
+    for values, *_ in entries.values():
+        assert _nonzero_slots(values) == [1, 2]
+
+
+def test_seq_aux_loss_name_per_release(fresh: None) -> None:
+    # 0.13 records seq-aux as load_balancing_loss; 0.14+ under its own name.
+    layout = ModelLayout(num_layers=2, routing_type="seq_aux_loss")
+    RouterStage(Setup(layout=layout), 0, seed=4).forward_microbatch(0)
+    name = "seq_load_balancing_loss" if RELEASE >= (0, 14) else "load_balancing_loss"
+    assert list(_entries()) == [name]
+    assert _nonzero_slots(_entries()[name][0]) == [1, 2]
+
+
+def test_router_features_read_without_megatron_match_the_class() -> None:
+    # the controller draws router scenarios from the source text; ranks check the class
+    assert installed_router_routing() == (router_takes_type_lists(), router_runs_global_aux_loss())
+    assert router_takes_type_lists() == (RELEASE >= (0, 14))
+    assert router_runs_global_aux_loss() == (RELEASE >= (0, 15))
 
 
 def test_zero_z_loss_coeff_records_nan(fresh: None) -> None:
     layout = ModelLayout(num_layers=2, z_loss_coeff=0.0)
     RouterStage(Setup(layout=layout), 0, seed=3).forward_microbatch(0)
-    metrics = get_moe_metrics_tracker().metrics
-    assert list(metrics) == ["z_loss", "load_balancing_loss"]
-    assert all(math.isnan(v) for v in metrics["z_loss"].values.tolist())
-    assert all(math.isfinite(v) for v in metrics["load_balancing_loss"].values.tolist())
+    entries = _entries()
+    assert list(entries) == ["z_loss", "load_balancing_loss"]
+    assert all(math.isnan(v) for v in entries["z_loss"][0].tolist())
+    assert all(math.isfinite(v) for v in entries["load_balancing_loss"][0].tolist())
 
 
 def test_zero_aux_coeff_records_nothing_for_that_type(fresh: None) -> None:
     layout = ModelLayout(num_layers=2, aux_loss_coeff=0.0)
     assert layout.live_track_names == []
     RouterStage(Setup(layout=layout), 0, seed=3).forward_microbatch(0)
-    assert get_moe_metrics_tracker().metrics == {}
+    assert _entries() == {}
 
 
 def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
@@ -143,9 +195,9 @@ def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
     assert stage.moe_slots == [1, 2]
     assert stage.records_mtp
     _run(stage, microbatches=3)
-    lb = get_moe_metrics_tracker().metrics["load_balancing_loss"]
-    assert lb.values.shape == (4,)
-    assert _nonzero_slots(lb.values) == [1, 2]
+    (lb, *_) = _entries()["load_balancing_loss"]
+    assert lb.shape == (4,)
+    assert _nonzero_slots(lb) == [1, 2]
 
     tracker = MTPLossLoggingHelper.tracker
     loss = tracker[MTP_LOSS_KEY]
@@ -159,12 +211,16 @@ def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
         assert bool((correct >= 0).all()) and bool((correct <= total).all())
         assert bool((total >= 3).all())  # three microbatches, each total >= 1
         assert torch.equal(correct, correct.round()) and torch.equal(total, total.round())
-    else:  # megatron-core 0.18 (save_loss_to_tracker): the loss only
+    else:  # megatron-core 0.13-0.18 (save_loss_to_tracker): the loss only
         assert set(tracker) == {"values", "reduce_group", "avg_group"}
     assert tracker["reduce_group"] is None
-    assert tracker["avg_group"] is parallel_state.get_data_parallel_group(
-        with_context_parallel=True
+    # 0.13 saves in MultiTokenPredictionBlock.forward over tensor+context; 0.14+ over data+context
+    avg = (
+        parallel_state.get_data_parallel_group(with_context_parallel=True)
+        if RELEASE >= (0, 14)
+        else parallel_state.get_tensor_and_context_parallel_group()
     )
+    assert tracker["avg_group"] is avg
 
 
 def test_no_mtp_records_no_mtp_tracker(fresh: None) -> None:
@@ -181,7 +237,7 @@ def test_stage_without_moe_layers_records_nothing(fresh: None) -> None:
     stage = RouterStage(setup, 0, seed=5)
     assert stage.routers == []
     _run(stage, microbatches=2)
-    assert get_moe_metrics_tracker().metrics == {}
+    assert _entries() == {}
 
 
 def test_deterministic_in_seed(fresh: None) -> None:
@@ -189,8 +245,7 @@ def test_deterministic_in_seed(fresh: None) -> None:
     setup = Setup(layout=layout)
 
     def snapshot(seed: int) -> tuple[dict[str, list[float]], list[float]]:
-        destroy_moe_metrics_tracker()
-        MTPLossLoggingHelper.tracker.clear()
+        reset_trackers()
         _run(RouterStage(setup, 0, seed=seed), microbatches=2)
         return _moe_snapshot(), MTPLossLoggingHelper.tracker[MTP_LOSS_KEY].tolist()
 
@@ -201,12 +256,21 @@ def test_deterministic_in_seed(fresh: None) -> None:
 
 def test_microbatches_accumulate_and_global_aux_state_resets(fresh: None) -> None:
     layout = ModelLayout(num_layers=1, routing_type="global_aux_loss", aux_loss_coeff=0.01)
+    if RELEASE < (0, 15):  # no global_aux_loss, no reset_model_temporary_tensors
+        with pytest.raises(ValueError, match="global_aux_loss"):
+            RouterStage(Setup(layout=layout), 0, seed=9)
+        stage = RouterStage(Setup(layout=ModelLayout(num_layers=1)), 0, seed=9)
+        stage.forward_microbatch(0)
+        before = _moe_snapshot()
+        stage.finish_step()  # nothing to reset; the tracker is left alone
+        assert _moe_snapshot() == before
+        return
     stage = RouterStage(Setup(layout=layout), 0, seed=9)
     ((_, _, router),) = stage.routers
     stage.forward_microbatch(0)
-    one = get_moe_metrics_tracker().metrics["global_load_balancing_loss"].values.clone()
+    one = _entries()["global_load_balancing_loss"][0].clone()
     stage.forward_microbatch(1)
-    two = get_moe_metrics_tracker().metrics["global_load_balancing_loss"].values
+    two = _entries()["global_load_balancing_loss"][0]
     assert float(router.ga_steps) == 2.0
     assert float(two[0]) > float(one[0]) > 0
     stage.finish_step()
@@ -217,7 +281,7 @@ def test_microbatches_accumulate_and_global_aux_state_resets(fresh: None) -> Non
 def test_topk_one_builds(fresh: None) -> None:
     layout = ModelLayout(num_layers=1, topk=1, num_experts=2)
     RouterStage(Setup(layout=layout), 0, seed=0).forward_microbatch(0)
-    assert list(get_moe_metrics_tracker().metrics) == ["load_balancing_loss"]
+    assert list(_entries()) == ["load_balancing_loss"]
 
 
 def test_world_and_stage_mismatch_rejected(fresh: None) -> None:

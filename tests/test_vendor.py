@@ -23,17 +23,11 @@ from pipemetrics.reference import megatron_common as mc
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.trackers import legacy_tracker
 
 from .conftest import Bounds, TrackingPool, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
-
-
-ROUTER_MODE_RELEASES = pytest.mark.skipif(
-    legacy_tracker(), reason="router mode (sim/router_fill.py) needs megatron-core 0.18+"
-)
 
 
 def vendor(dest: Path | str, cwd: Path) -> tuple[int, Path]:
@@ -108,7 +102,6 @@ def test_vendored_file_imports_by_path(vendored: Path) -> None:
         assert callable(getattr(module, name))
 
 
-@ROUTER_MODE_RELEASES
 def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) -> None:
     # pp=2, the first stage without MoE layers, MTP on the last stage: what hangs naive copies.
     setup = Setup(
@@ -135,7 +128,6 @@ def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) 
     assert run.collectives_released > 0
 
 
-@ROUTER_MODE_RELEASES
 def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path, bounds: Bounds) -> None:
     report = tmp_path / "report.json"
     proc = run_bounded(
