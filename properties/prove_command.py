@@ -16,6 +16,7 @@ from pipemetrics.properties.prove import (
     progress_bar,
     prove,
 )
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.pool import TIERS
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.scenario import DEFAULT_TARGET
@@ -127,6 +128,9 @@ def prove_main(args: argparse.Namespace) -> int:
                 parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
             )  # fmt: skip
             shard = _shard(args.shard)
+            unsupported = inprocess_unsupported() if args.tier == "inprocess" else None
+            if unsupported is not None:
+                raise ValueError(f"--tier inprocess: {unsupported}; use --tier process")
             if args.ray is not None and shard != (1, 1):
                 raise ValueError("--shard: not with --ray, which runs every shard (use --shards N)")
             if args.ray is None and args.shards is not None:

@@ -280,6 +280,13 @@ def run_check(args: argparse.Namespace) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         _err("pipemetrics check: --max-examples must be >= 1")
         return EXIT_USAGE
+    if args.tier == "inprocess":
+        from pipemetrics.sim.inprocess_world import inprocess_unsupported
+
+        unsupported = inprocess_unsupported()
+        if unsupported is not None:
+            _err(f"pipemetrics check: --tier inprocess: {unsupported}; use --tier process")
+            return EXIT_USAGE
     target = _resolve_target(args.impl)
     args.impl = target
     try:

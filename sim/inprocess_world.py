@@ -12,6 +12,7 @@ run is a timeout.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing.connection
 import os
 import shutil
@@ -19,6 +20,7 @@ import signal
 import time
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from pipemetrics.sim.coordinator import Verdict
@@ -44,6 +46,25 @@ ANSWER_MARGIN_S = 10.0
 watchdog reports one second after the deadline; unwinding may take the host's grace period)."""
 
 
+def inprocess_unsupported() -> str | None:
+    """Why the in-process tier cannot run with the installed megatron-core, or None; decided
+    from the installed files, without importing megatron (the controller does not).
+
+    The tier is validated (the differential test against the process tier) only where Megatron
+    keeps MoE metrics in ``moe_logging.MoEMetricsTracker`` (0.18+). On 0.13's legacy dict tracker
+    the differential test fails (deadlocks and values differ, a 64-rank world raises), so the
+    tier refuses the legacy releases rather than risk a wrong verdict (``prove`` has no second
+    tier to confirm on)."""
+    spec = importlib.util.find_spec("megatron")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if any(Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots):
+        return None
+    return (
+        "the in-process tier is validated on megatron-core 0.18+ (its MoEMetricsTracker) only; "
+        "the installed release keeps the legacy dict tracker, where the tiers disagree"
+    )
+
+
 class InProcessWorld(WorldBase):
     """A live world of ``spec.world_size`` ranks in one host process. Use as a context manager."""
 
@@ -54,6 +75,9 @@ class InProcessWorld(WorldBase):
             raise WorldStartError(
                 f"backend: the in-process tier simulates gloo worlds only, not {spec.backend}"
             )
+        unsupported = inprocess_unsupported()
+        if unsupported is not None:
+            raise WorldStartError(f"{unsupported}: use the process tier")
         self.spec = spec
         self.start_timeout_s = start_timeout_s
         self.places: dict[int, RankPlace] = {}

@@ -24,6 +24,7 @@ from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.bench import throughput_scenario
 from pipemetrics.sim.calls import MoeCall, RoundUpCall
 from pipemetrics.sim.differential import differences
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.records import router_record as moe
@@ -33,6 +34,10 @@ from pipemetrics.sim.world import WorldRun
 from .broken.mutants import MUTANTS, write_mutant
 from .conftest import Bounds, TrackingPool, tracking_pool
 from .test_properties_runner import check
+
+pytestmark = pytest.mark.skipif(
+    inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
+)
 
 #: Generated scenarios per property compared between the tiers (CI runs this sample; set
 #: PIPEMETRICS_DIFFERENTIAL_EXAMPLES for a longer run, e.g. 40 for about 800 scenarios).

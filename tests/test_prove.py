@@ -22,10 +22,15 @@ from pipemetrics.properties.prove import (
     prove,
     shard_of,
 )
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.replay import replay_main
 
 from .broken.mutants import MUTANTS, write_mutant
 from .conftest import Bounds, private_tmpdir, run_bounded
+
+pytestmark = pytest.mark.skipif(
+    inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
+)
 
 TINY = Bound(max_pp=2, max_world=2)
 SEED_HANG_MUTANTS = sorted(

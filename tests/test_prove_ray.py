@@ -14,10 +14,15 @@ import pytest
 
 from pipemetrics.properties.prove import Bound, enumerate_cases, target_sha256
 from pipemetrics.properties.prove_ray import RayRunError, prove_on_ray, run_shard
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.replay import replay_main
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
+
+pytestmark = pytest.mark.skipif(
+    inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
+)
 
 pytest.importorskip("ray", reason="the ray extra is in dev; CI installs it")
 

@@ -8,7 +8,10 @@ other release has to be installed.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 import types
 import warnings
@@ -157,3 +160,30 @@ def test_a_missing_module_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) ->
 def test_pyproject_declares_the_same_range() -> None:
     dependencies = tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))["project"]["dependencies"]
     assert f"megatron-core{mc.SUPPORTED_MEGATRON_CORE}" in dependencies
+
+
+def test_the_inprocess_tier_runs_only_where_it_is_validated(tmp_path: Path) -> None:
+    """The in-process tier refuses megatron-core's legacy dict tracker (0.13-0.17), where the
+    differential test against the process tier fails, instead of giving a verdict there; the
+    decision is read from the installed files (checked here on the installed release and on a
+    tree without ``moe_logging``), and ``prove`` says what to do instead."""
+    from pipemetrics.sim.inprocess_world import inprocess_unsupported
+    from pipemetrics.sim.trackers import legacy_tracker
+
+    assert (inprocess_unsupported() is not None) == legacy_tracker()
+    (tmp_path / "megatron" / "core" / "transformer" / "moe").mkdir(parents=True)
+    (tmp_path / "megatron" / "__init__.py").write_text("")
+    probe = "from pipemetrics.sim.inprocess_world import inprocess_unsupported as u; print(u())"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    legacy = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                            text=True, timeout=120, check=True)  # fmt: skip
+    assert "validated on megatron-core 0.18+" in legacy.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "pipemetrics.properties.cli", "prove", "--max-pp", "1"],
+        env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode == 2 and "use --tier process" in refused.stderr
+    (tmp_path / "megatron" / "core" / "transformer" / "moe" / "moe_logging.py").write_text("")
+    current = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=120, check=True)  # fmt: skip
+    assert current.stdout.strip() == "None"
