@@ -10,7 +10,8 @@ functions' collective structure and values can depend on, within a `Bound`:
 * MTP: none, a dense or an MoE MTP layer (on the last stage, where the MTP tracker is filled);
 * the router's names: every subset of the aux-loss types with a positive coefficient (and one
   listed with a zero coefficient, which records nothing), ``z_loss`` on and off;
-* ``track_names`` as ``None`` and as the live names; two steps, each recording and then calling
+* ``track_names`` as the live names and, where every stage records every live name, as ``None``
+  (elsewhere the API document prescribes the pre-initialising call); two steps, each recording and then calling
   ``get_moe_metrics`` (per-layer logging on, ``total_loss_dict`` carried over, ``loss_scale``
   0.5) and, where MTP layers exist, ``get_mtp_metrics`` (``loss_scale`` 0.5), in that order in
   the first step and the other order in the second (judged by ``steps.interleaved`` too).
@@ -65,6 +66,7 @@ from pydantic import Field
 
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.engine import failure_picture
+from pipemetrics.properties.strategies import every_rank_records_every_name
 from pipemetrics.properties.synthetic import step_records
 from pipemetrics.sim.calls import (
     NEW_GROUP,
@@ -435,6 +437,11 @@ def _add(cases: dict[str, AnyCase], case: AnyCase) -> None:
             return  # a layout Megatron's rules reject
         if not any(setup.router_slots(stage) for stage in range(setup.world.pp)):
             return  # no MoE layer anywhere: no router, nothing these functions report
+        if case.track_names == "none" and not every_rank_records_every_name(setup):
+            # The document prescribes the pre-initialising call when "some PP rank did not
+            # record an aux loss this step (e.g. a stage with no MoE layer ...)"; without it a
+            # correct implementation may hang: not a seed-profile case (the samplers' rule too).
+            case = case.model_copy(update={"track_names": "live"})
     cases.setdefault(case.key, case)
 
 

@@ -77,6 +77,17 @@ def test_the_reference_is_proven_on_a_small_bound(tmp_path: Path) -> None:
     assert cert.target_sha256 and cert.megatron_core != "unknown"
 
 
+def test_an_implementation_to_the_letter_of_the_document_is_proven(tmp_path: Path) -> None:
+    """The false-positive control (tests/seed_letter, unlike the reference in every way the
+    document allows): prove must not disprove it. It caught prove calling get_moe_metrics
+    without the pre-initialisation the document prescribes for a stage that records nothing."""
+    seed_letter = Path(__file__).resolve().parent / "seed_letter" / "common.py"
+    bound = Bound(max_pp=2, max_world=3)
+    cert = prove(str(seed_letter), bound, report_dir=tmp_path)
+    assert cert.proven, cert.failure
+    assert cert.cases["total"] == len(enumerate_cases(bound))
+
+
 def test_a_standalone_mtp_stage_disproves_the_last_stage_only_mutant(tmp_path: Path) -> None:
     """The flexible family reaches a bug the samplers find in about 3% of their examples."""
     path = write_mutant("moe_mtp_slots_only_on_last_stage", tmp_path / "mutants")
