@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/bootstrap.sh
-exec .venv/bin/python -m pytest -n 2 --dist loadfile tests "$@"
+# --durations: the slowest tests in every CI log (the suite must stay inside its time budget).
+exec .venv/bin/python -m pytest -n 2 --dist loadfile --durations=25 tests "$@"
