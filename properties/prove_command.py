@@ -108,6 +108,23 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="S", help="deadline for importing the target first")  # fmt: skip
 
 
+def bound_from_args(args: argparse.Namespace) -> Bound:
+    """The bound the flags of `add_prove_arguments` ask for."""
+    return Bound(
+        max_pp=args.max_pp, max_world=args.max_world, steps=args.steps,
+        parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
+    )  # fmt: skip
+
+
+def bound_cli_args(bound: Bound) -> list[str]:
+    """The flags that ask for ``bound`` (the inverse of `bound_from_args`): what a shard runs
+    with on another machine."""
+    return [
+        "--max-pp", str(bound.max_pp), "--max-world", str(bound.max_world),
+        "--parallel-sizes", ",".join(map(str, bound.parallel_sizes)), "--steps", str(bound.steps),
+    ]  # fmt: skip
+
+
 def _shard(text: str) -> tuple[int, int]:
     try:
         k, n = (int(part) for part in text.split("/"))
@@ -123,10 +140,7 @@ def prove_main(args: argparse.Namespace) -> int:
         if args.merge:
             certificate = merge([_load(path) for path in args.merge])
         else:
-            bound = Bound(
-                max_pp=args.max_pp, max_world=args.max_world, steps=args.steps,
-                parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
-            )  # fmt: skip
+            bound = bound_from_args(args)
             shard = _shard(args.shard)
             unsupported = inprocess_unsupported() if args.tier == "inprocess" else None
             if unsupported is not None:

@@ -1,8 +1,9 @@
 """``pipemetrics prove --ray``: the shards of a bound as tasks on an existing Ray cluster.
 
 Trainers built on Megatron already run on Ray clusters (verl, NeMo-RL, ROLL, slime), so a bound
-too large for one machine goes there as plain Ray tasks: one task per shard (`prove` of shard
-K/N on the worker, the same deterministic partition as ``--shard``), the results merged by
+too large for one machine goes there as plain Ray tasks: one task per shard (a child
+``pipemetrics prove --shard K/N`` process on the worker, the same deterministic partition as
+``--shard``), the results merged by
 `merge`, which checks that the shards cover the bound exactly once. pipemetrics schedules
 nothing itself: Ray places the tasks, retries nothing (a lost task is an error of the run, not
 a hole in the certificate) and the driver waits for all of them.
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pipemetrics.properties.prove import Bound, Certificate, Failure, merge, target_sha256
+from pipemetrics.properties.prove_command import bound_cli_args
 from pipemetrics.sim.pool import Tier
 
 RAY_EXTRA = "pip install 'pipemetrics[ray]'"
@@ -58,9 +60,7 @@ def run_shard(
         out = Path(scratch) / "certificate.json"
         command = [
             sys.executable, "-m", "pipemetrics.properties.cli", "prove", "--impl", target,
-            "--max-pp", str(bound.max_pp), "--max-world", str(bound.max_world),
-            "--parallel-sizes", ",".join(map(str, bound.parallel_sizes)),
-            "--steps", str(bound.steps), "--shard", f"{k}/{n}", "--tier", tier,
+            *bound_cli_args(bound), "--shard", f"{k}/{n}", "--tier", tier,
             "--json", str(out), "--report-dir", str(Path(scratch) / "report"),
         ]  # fmt: skip
         done = subprocess.run(

@@ -4,6 +4,7 @@ process tier. CI runs reduced bounds (the README states the default bound's numb
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -21,6 +22,11 @@ from pipemetrics.properties.prove import (
     merge,
     prove,
     shard_of,
+)
+from pipemetrics.properties.prove_command import (
+    add_prove_arguments,
+    bound_cli_args,
+    bound_from_args,
 )
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.replay import replay_main
@@ -67,6 +73,16 @@ def test_shards_partition_the_cases() -> None:
     shards = [shard_of(cases, (k, 3)) for k in (1, 2, 3)]
     keys = [c.key for shard in shards for c in shard]
     assert sorted(keys) == sorted(c.key for c in cases) and len(keys) == len(cases)
+
+
+@pytest.mark.parametrize(
+    "bound", [Bound(), TINY, Bound(max_pp=8, max_world=16, parallel_sizes=(1, 2, 4), steps=3)]
+)
+def test_a_bound_goes_through_the_command_line_unchanged(bound: Bound) -> None:
+    """What a Ray shard is started with (bound_cli_args) parses back to the same bound."""
+    parser = argparse.ArgumentParser()
+    add_prove_arguments(parser)
+    assert bound_from_args(parser.parse_args(bound_cli_args(bound))) == bound
 
 
 def test_the_reference_is_proven_on_a_small_bound(tmp_path: Path) -> None:
