@@ -18,6 +18,7 @@ from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
+from .broken.test_mutants_apply import NEEDS_TO_SHOW
 from .conftest import Bounds
 from .test_properties_runner import check
 
@@ -58,10 +59,18 @@ MORE_EXAMPLES: dict[str, int] = {
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=_NO_COUNTS) if n in ACCEPTANCE_MUTANTS else n for n in sorted(MUTANTS)],
-)
+def _mutant_param(name: str) -> Any:
+    """``name``, skipped where its bug cannot show on the installed megatron-core: the
+    acceptance-rate mutants without counts, and those of `NEEDS_TO_SHOW` (an API the mutant's
+    code or its bug needs is missing, e.g. a per-entry data-parallel setting on 0.13-0.15)."""
+    if name in ACCEPTANCE_MUTANTS:
+        return pytest.param(name, marks=_NO_COUNTS)
+    if name in NEEDS_TO_SHOW:
+        return pytest.param(name, marks=pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
+    return name
+
+
+@pytest.mark.parametrize("name", [_mutant_param(n) for n in sorted(MUTANTS)])
 def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) -> None:
     """The check fails each named property, and replaying each failure file judges the same."""
     mutant = MUTANTS[name]
