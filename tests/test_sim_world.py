@@ -88,7 +88,7 @@ def test_skipped_pipeline_all_reduce_is_a_deadlock_naming_the_call_site(
         """
         import torch.distributed as dist
         from megatron.core import parallel_state
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+        from pipemetrics.reference.megatron_common import get_moe_metrics_tracker  # any release
 
         def get_moe_metrics(loss_scale, total_loss_dict=None, per_layer_logging=False,
                             num_layers=None, mtp_num_layers=None, track_names=None):
