@@ -41,6 +41,7 @@ import struct
 
 from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.records import (
+    DpRule,
     EntrySnapshot,
     MtpSnapshot,
     RankPlace,
@@ -149,12 +150,21 @@ def float32(value: float) -> float:
     return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
+#: The data-parallel rules of releases whose MoE tracker keeps a per-entry data-parallel
+#: setting (0.18+: ``MetricEntry.needs_dp_avg``; 0.16/0.17: ``reduce_group_has_dp``). Before
+#: (0.13-0.15) a record's ``needs_dp_avg`` is not kept: every entry reads True.
+PER_ENTRY_DP_RULES: frozenset[DpRule] = frozenset({"needs_dp_avg", "after_reduce_group"})
+
+
 def recorded_snapshots(
-    places: dict[int, RankPlace], records: StepRecords
+    places: dict[int, RankPlace], records: StepRecords, dp_rule: DpRule = "needs_dp_avg"
 ) -> dict[int, TrackerSnapshot]:
     """The snapshots that feeding ``records`` to fresh trackers gives, computed without Megatron
     in float32 like Megatron's tensors (a test ties this to the real ``record`` /
-    ``save_metrics_to_tracker``)."""
+    ``save_metrics_to_tracker``), on a release with data-parallel rule ``dp_rule``
+    (`pipemetrics.sim.trackers.moe_dp_rule`; it is stamped on every snapshot, and without a
+    per-entry setting, `PER_ENTRY_DP_RULES`, every entry's ``needs_dp_avg`` is True)."""
+    kept = dp_rule in PER_ENTRY_DP_RULES
     snapshots = {}
     for rank, place in places.items():
         moe: dict[str, EntrySnapshot] = {}
@@ -165,7 +175,8 @@ def recorded_snapshots(
             )
             groups = (_role_ranks(place, rec.reduce), _role_ranks(place, rec.avg))
             moe[rec.name] = EntrySnapshot(values=values, reduce_group=groups[0],
-                                          avg_group=groups[1], needs_dp_avg=rec.needs_dp_avg)  # fmt: skip
+                                          avg_group=groups[1],
+                                          needs_dp_avg=rec.needs_dp_avg or not kept)  # fmt: skip
         mtp = None
         for m in records.mtp.get(rank, []):
             old = mtp or MtpSnapshot(loss=[0.0] * m.num_layers, correct=[0.0] * m.num_layers,
@@ -178,5 +189,5 @@ def recorded_snapshots(
             mtp = MtpSnapshot(loss=loss, correct=correct, total=total,
                               reduce_group=_role_ranks(place, m.reduce),
                               avg_group=_role_ranks(place, m.avg))  # fmt: skip
-        snapshots[rank] = TrackerSnapshot(moe=moe, mtp=mtp)
+        snapshots[rank] = TrackerSnapshot(moe=moe, mtp=mtp, dp_rule=dp_rule)
     return snapshots

@@ -62,6 +62,17 @@ def _clip(text: str, width: int = MAX_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+_SITE_WIDTH = MAX_WIDTH - 24
+"""Room for a call site on its line (after the rank column's indent and ``at ``)."""
+
+
+def _clip_site(site: str, width: int = _SITE_WIDTH) -> str:
+    """A call site that fits in ``width``, clipped on the left: the file name, line and
+    function are the end of it (a path target's long absolute path would otherwise leave only
+    its directories once the line is clipped)."""
+    return site if len(site) <= width else "..." + site[len(site) - width + 3 :]
+
+
 def _chunk_cells(setup: Setup, stage: int, chunk: int) -> list[tuple[str, int]]:
     """(kind letter, layer number) for every layer of one chunk of ``stage``, MTP layers last."""
     numbers = setup.stage_chunks[stage][chunk]
@@ -152,7 +163,7 @@ def _pending_lines(call: CollectiveCall, place: RankPlace | None) -> list[str]:
     if call.signature:
         lines.append(", ".join(f"{k}={v}" for k, v in call.signature))
     site = short_site(call.call_site[0]) if call.call_site else "unknown call site"
-    lines.append(f"at {site}")
+    lines.append(f"at {_clip_site(site)}")
     return lines
 
 

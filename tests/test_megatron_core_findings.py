@@ -32,6 +32,7 @@ from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.records import router_record as rec
 from pipemetrics.sim.scenario import Scenario, Step, load_scenario, save_scenario
+from pipemetrics.sim.trackers import legacy_tracker
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -136,6 +137,14 @@ FINDINGS: tuple[Finding, ...] = (
 
 def _param(finding: Finding) -> Any:
     marks = []
+    if legacy_tracker():
+        marks.append(
+            pytest.mark.skip(
+                reason="the findings are in MoEMetricsTracker's report() and ensure_initialized "
+                "(fixed_report.py patches the latter); megatron.core.transformer.moe.moe_logging "
+                "is missing in the installed megatron-core"
+            )
+        )
     if finding.needs_z_loss_average and not Z_LOSS_AVERAGED:
         marks.append(
             pytest.mark.skip(reason="megatron-core 0.18's router records z_loss without groups")

@@ -200,3 +200,14 @@ def test_replay_summary_shows_the_picture_after_the_verdict() -> None:
     stage_at = next(i for i, line in enumerate(lines) if line.strip().startswith("stage 0 |"))
     assert stage_at > verdict_at
     assert "rank 4  blocked in all_reduce #1 on pp [0,4]" in text
+
+
+def test_a_long_call_site_keeps_its_file_line_and_function() -> None:
+    """A path target's site is an absolute path; clipped, it keeps its end, not its start."""
+    from pipemetrics.sim.picture import _SITE_WIDTH, _clip_site
+
+    site = "/tmp/" + "d" * 120 + "/mutants/impl.py:697 in _sync"
+    clipped = _clip_site(site)
+    assert len(clipped) == _SITE_WIDTH
+    assert clipped.startswith("...") and clipped.endswith("/mutants/impl.py:697 in _sync")
+    assert _clip_site("/home/me/impl.py:3 in f") == "/home/me/impl.py:3 in f"

@@ -4,25 +4,39 @@ the JSON counterexample of ``pipemetrics check`` against a mutant that hangs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+from pipemetrics.sim.trackers import legacy_tracker
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds
 from .test_properties_runner import check
 
+MUTANT = "moe_empty_stage_returns_early"
+#: Where the blocked all_reduce is called: Megatron's ``MoEMetricsTracker._sync_metrics``
+#: (0.18+), or the reference's own reduction ``_sync`` on 0.13-0.17, whose dict tracker has no
+#: reduction the reference can call (in the mutant's file).
+SYNC_SITE = re.compile(
+    rf"{MUTANT}\.py:\d+ in _sync$"
+    if legacy_tracker()
+    else r"moe_logging\.py:\d+ in _sync_metrics$",
+    re.MULTILINE,
+)
+
 
 def picture_checks(text: str) -> None:
-    """The minimal counterexample: pp=2, a stage with MoE blocked in the pp all_reduce of
-    Megatron's _sync_metrics, the stage without MoE returned."""
+    """The minimal counterexample: pp=2, a stage with MoE blocked in the pp all_reduce of the
+    MoE reduction (`SYNC_SITE`), the stage without MoE returned."""
     assert "stage 0 |" in text and "stage 1 |" in text, text
     assert "where each rank stood at the verdict (deadlock):" in text, text
     assert "blocked in all_reduce" in text, text
-    assert "moe_logging.py:" in text and " in _sync_metrics" in text, text
+    assert SYNC_SITE.search(text), text
     assert "returned" in text, text
 
 
 def test_check_failure_report_shows_the_picture(tmp_path: Path, bounds: Bounds) -> None:
-    path = write_mutant("moe_empty_stage_returns_early", tmp_path / "mutants")
+    path = write_mutant(MUTANT, tmp_path / "mutants")
     markdown = tmp_path / "summary.md"
     code, data, output = check(
         tmp_path, "--impl", str(path), "--only", "moe.no_hang", "--max-examples", "20",

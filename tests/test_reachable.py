@@ -17,10 +17,16 @@ from pipemetrics.properties import strategies as s
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
 from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.layout import (
+    ExplicitSplit,
+    ModelLayout,
+    Setup,
+    WorldSpec,
+    installed_router_routing,
+)
 from pipemetrics.sim.records import TrackerSnapshot
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.trackers import mtp_counts_acceptance
+from pipemetrics.sim.trackers import moe_dp_rule, mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -62,7 +68,26 @@ def first_snapshots(run: WorldRun) -> dict[int, TrackerSnapshot]:
     return snapshots
 
 
-@pytest.mark.parametrize("name", sorted(ROUTER_SETUPS))
+def _router_runs(setup: Setup) -> str | None:
+    """Why the installed megatron-core's ``TopKRouter`` cannot run ``setup``'s routing types
+    (``None``: it can), read from its source (`installed_router_routing`)."""
+    routing, types = installed_router_routing(), setup.layout.routing_type
+    if isinstance(types, list) and not routing.type_lists:
+        return "a list of load-balancing types needs TopKRouter.get_aux_loss_coeff"
+    if "global_aux_loss" in types and not routing.global_aux_loss:
+        return "global_aux_loss needs TopKRouter._apply_global_aux_loss"
+    return None
+
+
+def _router_param(name: str) -> object:
+    why = _router_runs(ROUTER_SETUPS[name])
+    marks = (
+        [pytest.mark.skip(reason=f"{why}, missing in the installed megatron-core")] if why else []
+    )
+    return pytest.param(name, marks=marks)
+
+
+@pytest.mark.parametrize("name", [_router_param(n) for n in sorted(ROUTER_SETUPS)])
 def test_megatron_router_records_only_reachable_states(pool: TrackingPool, name: str) -> None:
     setup = ROUTER_SETUPS[name]
     calls = [MoeCall(num_layers=setup.layout.num_layers), MtpCall()]
@@ -88,7 +113,7 @@ def test_model_snapshots_equal_megatrons_own_recording(
     run = pool.run(scenario)
     places = {rank: result.place for rank, result in run.ranks.items()}
     real = first_snapshots(run)
-    model = recorded_snapshots(places, records)
+    model = recorded_snapshots(places, records, moe_dp_rule())
     for rank in places:
         mine = model[rank]
         if not mtp_counts_acceptance() and mine.mtp is not None:  # 0.18 records the loss only

@@ -16,9 +16,6 @@ from unittest.mock import MagicMock
 import numpy as np
 import pytest
 import torch
-from megatron.core.transformer.moe.moe_logging import (
-    get_moe_metrics_tracker,
-)
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -33,8 +30,24 @@ from pipemetrics.reference import (
     get_mtp_metrics,
 )
 from pipemetrics.reference import megatron_common as mc
+from pipemetrics.sim.records import MoeRecord
+from pipemetrics.sim.trackers import apply_moe_records, legacy_has_dp_flag, legacy_tracker
 
 from .conftest import set_mtp_tracker
+
+#: The installed release's MoE tracker as the reference sees it: 0.18+'s ``MoEMetricsTracker``,
+#: or the reference's view of 0.13-0.17's dict tracker (same ``metrics`` and
+#: ``ensure_initialized``).
+get_moe_metrics_tracker = mc.get_moe_metrics_tracker
+
+PER_ENTRY_DP_SETTING = pytest.mark.skipif(
+    legacy_tracker() and not legacy_has_dp_flag(),
+    reason=(
+        "needs a per-entry data-parallel setting (moe_logging's MetricEntry.needs_dp_avg, or "
+        "save_to_aux_losses_tracker's reduce_group_has_dp), missing in the installed "
+        "megatron-core"
+    ),
+)
 
 AUX = "load_balancing_loss"
 SEQ = "seq_load_balancing_loss"
@@ -140,8 +153,15 @@ def test_round_up_rejects_bad_input(value: int, multiple: int) -> None:
 
 
 def _tc(**kw: Any) -> TransformerConfig:
+    # Without linear biases: megatron-core 0.13 refuses them with MoE ("Bias is not supported
+    # for MoE"); later releases accept either.
     return TransformerConfig(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4, **kw
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_moe_experts=4,
+        add_bias_linear=False,
+        **kw,
     )
 
 
@@ -192,6 +212,11 @@ def _coeffs_for(routing_type: Any) -> list[Any]:
     return [0.0, 0.5, -1.0, 2]
 
 
+@pytest.mark.skipif(
+    not hasattr(TopKRouter, "get_aux_loss_coeff"),
+    reason="megatron-core's TopKRouter.get_aux_loss_coeff (the cross-check's source of truth) "
+    "is missing in the installed release",
+)
 @pytest.mark.parametrize("routing_type", _TYPES, ids=str)
 def test_track_names_agree_with_megatron_router(routing_type: Any) -> None:
     """Cross-check against TopKRouter.get_aux_loss_coeff itself (not a re-derivation)."""
@@ -278,8 +303,13 @@ def test_track_names_attribute_that_raises() -> None:
 # ----------------------------------------------------------------------------- MoE (local mode)
 
 
-def _record(name: str, value: float, layer: int, n: int) -> None:
-    get_moe_metrics_tracker().record(name, torch.tensor(value), layer, n)
+def _record(name: str, value: float, layer: int, n: int, needs_dp_avg: bool = True) -> None:
+    """One record through the installed release's own recording function (0.18+:
+    ``MoEMetricsTracker.record``; 0.13-0.17: ``save_to_aux_losses_tracker``), no groups."""
+    record = MoeRecord(
+        name=name, layer_number=layer, value=value, num_layers=n, needs_dp_avg=needs_dp_avg
+    )
+    apply_moe_records([record], {})
 
 
 def test_moe_metrics_mean_and_per_layer() -> None:
@@ -307,9 +337,10 @@ def test_moe_metrics_num_moe_layers_denominator() -> None:
     assert get_moe_metrics(1.0, num_moe_layers=3)[AUX] == pytest.approx(2.0)
 
 
+@PER_ENTRY_DP_SETTING
 def test_moe_metrics_clears_but_keeps_entries() -> None:
     # needs_dp_avg=False, like the router's global aux loss: not a placeholder once zeroed.
-    get_moe_metrics_tracker().record(GLOBAL, torch.tensor(6.0), 1, 2, needs_dp_avg=False)
+    _record(GLOBAL, 6.0, 1, 2, needs_dp_avg=False)
     get_moe_metrics(1.0)
     tracker = get_moe_metrics_tracker()
     assert GLOBAL in tracker.metrics

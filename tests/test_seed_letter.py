@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pipemetrics.properties.catalogue import CATALOGUE
+from pipemetrics.sim.trackers import legacy_tracker
 
 from .conftest import Bounds
 from .test_properties_runner import check, statuses
@@ -15,6 +18,11 @@ from .test_properties_runner import check, statuses
 SEED_LETTER = Path(__file__).resolve().parent / "seed_letter" / "common.py"
 
 
+@pytest.mark.skipif(
+    legacy_tracker(),
+    reason="the seed-letter implementation's get_moe_metrics reads MoEMetricsTracker; "
+    "megatron.core.transformer.moe.moe_logging is missing in the installed megatron-core",
+)
 def test_seed_letter_implementation_passes_the_seed_profile(tmp_path: Path, bounds: Bounds) -> None:
     code, data, output = check(
         tmp_path, "--impl", str(SEED_LETTER), "--profile", "seed",

@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 _AUX_LOSS_TRACK_NAMES: dict[str, str] = {
@@ -102,6 +101,10 @@ def get_moe_metrics(
     mtp_num_layers: int | None = None,
     track_names: list[str] | None = None,
 ) -> dict[str, Any]:
+    # Imported here: megatron-core 0.13-0.17 have no moe_logging (the MoE functions need
+    # 0.18+), and the other functions do not need it.
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
     tracker = get_moe_metrics_tracker()
     if num_layers is not None and track_names:
         size = num_layers + (mtp_num_layers or 0)
