@@ -397,6 +397,13 @@ class _EntryMeta(NamedTuple):
     avg: _GroupDesc
     needs_dp_avg: bool
     device: str = "cpu"  # the type of the device its values live on ("cpu", "cuda")
+    created: bool = False
+    """Created by `get_moe_metrics` for a name this rank lacked, and has held nothing since (all
+    zero, the settings it was given): its settings give way to those of ranks that recorded."""
+
+    def settings(self) -> tuple[Any, ...]:
+        """What must agree between the ranks holding the name (not the length)."""
+        return (self.dtype, _sig(self.reduce), _sig(self.avg), self.needs_dp_avg, self.device)
 
 
 @functools.cache
@@ -571,9 +578,9 @@ def _plan(
     settings: dict[str, _EntryMeta] = {}
     for name in sorted(lengths):
         holders = [(r, p["entries"][name]) for r, p in enumerate(payloads) if name in p["entries"]]
-        sigs = {
-            (m.dtype, _sig(m.reduce), _sig(m.avg), m.needs_dp_avg, m.device) for _, m in holders
-        }
+        # ranks that recorded the name decide; entries created by an earlier call give way
+        holders = [(r, m) for r, m in holders if not m.created] or holders
+        sigs = {m.settings() for _, m in holders}
         if len(sigs) > 1:
             detail = _ranks_by(
                 (
@@ -618,6 +625,9 @@ def _plan(
 #: Attribute of Megatron's tracker object under which a successful `get_moe_metrics` keeps
 #: what the next call needs to skip the metadata round (it lives and dies with the tracker).
 _STEADY_ATTR = "_pipemetrics_steady_state"
+#: Attribute of the tracker: {name: settings given} for the entries `get_moe_metrics` created
+#: for names this rank lacked and that have held nothing since.
+_CREATED_ATTR = "_pipemetrics_created"
 
 
 class _SteadyState(NamedTuple):
@@ -855,8 +865,12 @@ get_moe_metrics_tracker: Callable[[], Any] = (
 def _describe_entries(tracker: Any, known: list[tuple[str, Any]]) -> dict[str, tuple[Any, ...]]:
     """This rank's tracker entries as the metadata round sends them (placeholders left out):
     the fields of an `_EntryMeta`, as a plain tuple."""
-    return {
-        name: (
+    created = getattr(tracker, _CREATED_ATTR, None) or {}
+    described = {}
+    for name, entry in tracker.metrics.items():
+        if _is_placeholder(entry):
+            continue
+        meta = _EntryMeta(
             int(entry.values.numel()),
             str(entry.values.dtype),
             _describe_group(entry.reduce_group, known),
@@ -864,9 +878,9 @@ def _describe_entries(tracker: Any, known: list[tuple[str, Any]]) -> dict[str, t
             bool(getattr(entry, "needs_dp_avg", True)),
             entry.values.device.type,
         )
-        for name, entry in tracker.metrics.items()
-        if not _is_placeholder(entry)
-    }
+        held_nothing = created.get(name) == meta.settings() and not bool(entry.values.any())
+        described[name] = tuple(meta._replace(created=held_nothing))
+    return described
 
 
 def get_moe_metrics(
@@ -918,7 +932,11 @@ def get_moe_metrics(
        tensor+context, DP avg; global -> SUM over tensor+data+context, no DP avg; z_loss ->
        AVG over tensor+data+context, DP avg; other names -> no groups, DP avg). An all-zero
        local entry with Megatron's default settings (a pre-initialised placeholder) counts
-       as missing.
+       as missing. An entry an earlier call created that has held nothing since (all zero,
+       the settings it was given) gives way to the settings of the ranks that recorded the
+       name, and is re-created with them (0.13-0.18's router records ``z_loss`` without
+       groups, 0.19's with; without this, a name created for ``track_names`` in a step nobody
+       recorded it made every rank raise once one stage recorded it).
     4. ``tracker._sync_metrics(sorted(live))`` (or, on a release without that private
        method, the same reduction written out): per name, in sorted order: pipeline SUM,
        reduce_group SUM, avg_group AVG, data-parallel AVG (without context parallelism). On
@@ -988,9 +1006,12 @@ def get_moe_metrics(
     assert scale is not None  # checked by _validate_args on every rank
 
     groups = dict(known)
+    # what this call creates, and what an earlier call created that has held nothing since
+    created = {n: _EntryMeta(*local[n]).settings() for n in local if _EntryMeta(*local[n]).created}
     for name in sorted(lengths):
-        if name not in local:
-            meta = settings[name]
+        meta = settings[name]
+        here = _EntryMeta(*local[name]) if name in local else None
+        if here is None or (here.created and here.settings() != meta.settings()):
             tracker.metrics.pop(name, None)  # drop a placeholder; re-created below
             on = _local_device(meta.device)  # where the ranks that recorded it keep it
             tracker.ensure_initialized(name, lengths[name], device=on)
@@ -999,10 +1020,13 @@ def get_moe_metrics(
             entry.reduce_group = groups[meta.reduce[1]] if distributed and meta.reduce else None
             entry.avg_group = groups[meta.avg[1]] if distributed and meta.avg else None
             entry.needs_dp_avg = meta.needs_dp_avg
+            local.pop(name, None)  # not as found
+            created[name] = meta.settings()
         entry = tracker.metrics[name]
         short = lengths[name] - entry.values.numel()
         if short > 0:
             entry.values = torch.cat([entry.values, entry.values.new_zeros(short)])
+    setattr(tracker, _CREATED_ATTR, created)
     if distributed:
         # What the next call will find if the tracker's layout does not change (taken before
         # the reduction: an entry created here is still all zero, as it will be then). In the
