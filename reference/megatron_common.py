@@ -1006,11 +1006,12 @@ def get_moe_metrics(
     assert scale is not None  # checked by _validate_args on every rank
 
     groups = dict(known)
+    found = {n: _EntryMeta(*e) for n, e in local.items()}
     # what this call creates, and what an earlier call created that has held nothing since
-    created = {n: _EntryMeta(*local[n]).settings() for n in local if _EntryMeta(*local[n]).created}
+    created = {n: m.settings() for n, m in found.items() if m.created}
     for name in sorted(lengths):
         meta = settings[name]
-        here = _EntryMeta(*local[name]) if name in local else None
+        here = found.get(name)
         if here is None or (here.created and here.settings() != meta.settings()):
             tracker.metrics.pop(name, None)  # drop a placeholder; re-created below
             on = _local_device(meta.device)  # where the ranks that recorded it keep it
