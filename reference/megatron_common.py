@@ -171,13 +171,39 @@ _Z_LOSS_NAME = "z_loss"
 # ("custom", <sorted global member ranks>) for a group that matches no parallel_state group.
 _GroupDesc = tuple[str, Any] | None
 
-# Router-canonical groups for Megatron's names: (reduce kind, avg kind, needs_dp_avg).
+# Router-canonical groups for Megatron's names: (reduce kind, avg kind, needs_dp_avg), as
+# megatron-core 0.19's TopKRouter records them (`_router_canonical` adapts it to the router
+# installed).
 _CANONICAL: dict[str, tuple[str | None, str | None, bool]] = {
     "load_balancing_loss": ("tensor_and_context", None, True),
     "seq_load_balancing_loss": ("tensor_and_context", None, True),
     "global_load_balancing_loss": ("tensor_data_context", None, False),
     _Z_LOSS_NAME: (None, "tensor_data_context", True),
 }
+_ROUTER = "megatron.core.transformer.moe.router"
+
+
+def _keywords_passed(function: Any) -> set[str]:
+    """The keyword argument names ``function``'s own calls pass (from its code object: CPython
+    keeps each call's keyword names as a tuple constant); empty for a non-Python function."""
+    code = getattr(function, "__code__", None)
+    consts = getattr(code, "co_consts", ())
+    return {k for c in consts if isinstance(c, tuple) for k in c if isinstance(k, str)}
+
+
+def _router_canonical() -> dict[str, tuple[str | None, str | None, bool]]:
+    """`_CANONICAL` as the installed ``TopKRouter`` records: its ``apply_z_loss`` passes
+    ``avg_group`` from megatron-core 0.19 on; 0.13-0.18 record ``z_loss`` without groups. Decided
+    by the router's code, not its version (0.19's table when the router cannot be read)."""
+    try:
+        apply_z_loss = importlib.import_module(_ROUTER).TopKRouter.apply_z_loss
+    except (ImportError, AttributeError):
+        return _CANONICAL
+    if getattr(apply_z_loss, "__code__", None) is None or "avg_group" in _keywords_passed(
+        apply_z_loss
+    ):
+        return _CANONICAL
+    return {**_CANONICAL, _Z_LOSS_NAME: (None, None, True)}
 
 
 def _round_up_to_multiple(value: int, multiple: int) -> int:
@@ -595,7 +621,7 @@ def _plan(
         if holders:
             meta = holders[0][1]
         else:
-            red, avg, dp = _CANONICAL.get(name, (None, None, True))
+            red, avg, dp = _router_canonical().get(name, (None, None, True))
             meta = _EntryMeta(
                 lengths[name],
                 str(torch.float32),

@@ -62,6 +62,18 @@ def installed_router_routing() -> RouterRouting:
     )
 
 
+def installed_router_averages_z_loss() -> bool:
+    """Whether the installed ``TopKRouter.apply_z_loss`` records ``z_loss`` with an avg group
+    (0.19+ passes ``avg_group``; 0.13-0.18 record it without groups), read from its source as
+    `installed_router_routing` does. Assumed (0.19's way) when the file or method is not found.
+    The reference decides the same from the imported class (``_router_canonical``)."""
+    source = _installed_source("transformer/moe/router")
+    if source is None or "def apply_z_loss(" not in source:
+        return True
+    method = source.split("def apply_z_loss(", 1)[1].split("\n    def ", 1)[0]
+    return "avg_group=" in method
+
+
 def installed_layout_takes_mtp() -> bool:
     """Whether the installed megatron-core's ``PipelineParallelLayerLayout`` accepts MTP layers
     (0.14+: ``validate_layer_layout`` takes ``mtp_num_layers``; 0.13 raises

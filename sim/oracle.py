@@ -35,13 +35,13 @@ from typing import Literal
 
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.records import (
-    ROUTER_REDUCTION,
     DpRule,
     EntrySnapshot,
     MtpSnapshot,
     RankPlace,
     Ranks,
     TrackerSnapshot,
+    router_reduction,
 )
 from pipemetrics.sim.topology import GROUP_ROLES
 from pipemetrics.sim.values import TENSOR_KEY
@@ -229,9 +229,10 @@ def stage_groups(
 def name_reduction(
     name: str, holders: Mapping[int, EntrySnapshot], places: Mapping[int, RankPlace]
 ) -> NameReduction:
-    """The reduction of ``name``: from its holders, else from the router's table, else defaults."""
+    """The reduction of ``name``: from its holders, else from the installed router's table
+    (`router_reduction`), else defaults."""
     if not holders:
-        reduce_role, avg_role, needs_dp_avg = ROUTER_REDUCTION.get(name, DEFAULT_REDUCTION)
+        reduce_role, avg_role, needs_dp_avg = router_reduction().get(name, DEFAULT_REDUCTION)
         return NameReduction(
             optional_role_groups(reduce_role, places),
             optional_role_groups(avg_role, places),

@@ -7,13 +7,11 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
-import re
-from importlib import metadata
 from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pipemetrics.sim.layout import Frozen
+from pipemetrics.sim.layout import Frozen, installed_router_averages_z_loss
 
 Ranks = tuple[int, ...]
 
@@ -136,17 +134,10 @@ def router_reduction() -> dict[str, Reduction]:
 
     megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.13 to
     0.18 record it without groups (`Z_LOSS_WITHOUT_GROUPS`; 0.13 records ``load_balancing_loss``
-    without a reduce group when tensor x context parallelism is 1, numerically the same). The router's code is the only place
-    that says so, and importing it costs seconds, so the installed release decides (read from
-    the package metadata, without importing megatron).
+    without a reduce group when tensor x context parallelism is 1, numerically the same). The
+    router's code decides (`installed_router_averages_z_loss`), not its version.
     """
-    try:
-        installed = metadata.version("megatron-core")
-    except metadata.PackageNotFoundError:
-        return ROUTER_REDUCTION
-    match = re.match(r"(\d+)\.(\d+)", installed)
-    older = match is not None and (int(match[1]), int(match[2])) < (0, 19)
-    return Z_LOSS_WITHOUT_GROUPS if older else ROUTER_REDUCTION
+    return ROUTER_REDUCTION if installed_router_averages_z_loss() else Z_LOSS_WITHOUT_GROUPS
 
 
 def router_record(

@@ -442,11 +442,12 @@ def test_without_the_private_sync_method_the_reduction_is_the_same(
 def test_a_name_created_for_track_names_takes_the_settings_it_is_recorded_with_later(
     pool: TrackingPool,
 ) -> None:
-    """Step 0: nobody records z_loss, track_names lists it, so every rank creates it (with the
-    0.19 router's groups). Step 1: stage 0 records it as megatron-core 0.13-0.18's router does,
-    without groups; the dense stage still holds the zero entry created in step 0. The created
-    entry gives way to the recorded settings (it raised 'recorded with different reduction
-    settings' on every rank)."""
+    """Step 0: nobody records z_loss, track_names lists it, so every rank creates it with the
+    installed router's groups (0.19's: averaged over tensor+data+context). Step 1: stage 0
+    records it without groups, as megatron-core 0.13-0.18's router does (or a caller's own
+    code); the dense stage still holds the zero entry created in step 0. The created entry
+    gives way to the recorded settings (it raised 'recorded with different reduction settings'
+    on every rank)."""
     layout = ModelLayout(num_layers=2, moe_layer_freq=[1, 0], z_loss_coeff=0.001)
     call = MoeCall(loss_scale=1.0, num_layers=2, track_names=["z_loss"])
     no_groups = moe("z_loss", 1, 3.0, 2).model_copy(update={"avg": None})

@@ -30,6 +30,7 @@ from pipemetrics.reference import (
     get_mtp_metrics,
 )
 from pipemetrics.reference import megatron_common as mc
+from pipemetrics.sim.layout import installed_router_averages_z_loss
 from pipemetrics.sim.records import MoeRecord
 from pipemetrics.sim.trackers import apply_moe_records, legacy_has_dp_flag, legacy_tracker
 
@@ -508,8 +509,39 @@ def test_plan_union_lengths_and_canonical() -> None:
     assert errors == []
     assert lengths == {AUX: 3, Z: 4}
     assert settings[AUX] == _meta(2)
-    assert settings[Z].avg == ("kind", "tensor_data_context")  # router canonical
+    # nobody recorded z_loss: the installed router's groups
+    z_avg = ("kind", "tensor_data_context") if installed_router_averages_z_loss() else None
+    assert settings[Z].avg == z_avg
     assert settings[Z].reduce is None
+
+
+def _apply_z_loss_records(with_avg_group: bool) -> Any:
+    """A stand-in ``TopKRouter.apply_z_loss`` recording z_loss as 0.19's (avg over tensor+data+
+    context) or as 0.13-0.18's (no groups) does; never called, only read."""
+    if with_avg_group:
+
+        def apply_z_loss(self: Any, logits: Any) -> Any:
+            self.record("z_loss", logits, 1, 1, avg_group=self.tp_dp_cp_group)
+
+    else:
+
+        def apply_z_loss(self: Any, logits: Any) -> Any:
+            self.record("z_loss", logits, 1, 1)
+
+    return apply_z_loss
+
+
+@pytest.mark.parametrize("with_avg_group", [True, False])
+def test_plan_creates_a_name_nobody_recorded_with_the_installed_routers_groups(
+    monkeypatch: pytest.MonkeyPatch, with_avg_group: bool
+) -> None:
+    # read from the router's code, not the version: 0.16's created z_loss got 0.19's avg group,
+    # and the next step's trackers disagreed with what the router recorded
+    monkeypatch.setattr(TopKRouter, "apply_z_loss", _apply_z_loss_records(with_avg_group))
+    _, settings, errors = mc._plan([_payload({}, [Z], 2), _payload({}, [Z], 2)], True)
+    assert errors == []
+    assert settings[Z].avg == (("kind", "tensor_data_context") if with_avg_group else None)
+    assert (settings[Z].reduce, settings[Z].needs_dp_avg) == (None, True)
 
 
 def test_plan_disagreement_names_ranks() -> None:

@@ -17,7 +17,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec, installed_router_routing
+from pipemetrics.reference import megatron_common
+from pipemetrics.sim.layout import (
+    ModelLayout,
+    Setup,
+    WorldSpec,
+    installed_router_averages_z_loss,
+    installed_router_routing,
+)
 from pipemetrics.sim.router_fill import (
     RouterStage,
     router_runs_global_aux_loss,
@@ -171,6 +178,10 @@ def test_router_features_read_without_megatron_match_the_class() -> None:
     assert installed_router_routing() == (router_takes_type_lists(), router_runs_global_aux_loss())
     assert router_takes_type_lists() == (RELEASE >= (0, 14))
     assert router_runs_global_aux_loss() == (RELEASE >= (0, 15))
+    # z_loss's groups: the controller reads the source, the reference the imported class
+    assert installed_router_averages_z_loss() == Z_LOSS_AVG_OVER_TP_DP_CP
+    z_loss_avg = megatron_common._router_canonical()["z_loss"][1]
+    assert (z_loss_avg is not None) == Z_LOSS_AVG_OVER_TP_DP_CP
 
 
 def test_zero_z_loss_coeff_records_nan(fresh: None) -> None:
