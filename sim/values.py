@@ -1,16 +1,23 @@
-"""Turning what an implementation returns into plain data, and making test tensors."""
+"""Turning what an implementation returns into plain data, and making test tensors.
+
+torch is imported where a function needs it: the controller imports this module for
+`TENSOR_KEY` and should not pay seconds of torch import for a check that makes no tensor.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TENSOR_KEY = "__tensor__"
 
 
 def make_tensor(shape: list[int], dtype: str, seed: int, non_contiguous: bool) -> torch.Tensor:
     """A deterministic tensor; ``non_contiguous`` returns a transposed view of the last 2 dims."""
+    import torch
+
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     stored = list(shape)
@@ -44,6 +51,8 @@ def encode(value: Any, *, buffer: Any = None) -> Any:
     A tensor becomes ``{"__tensor__": {dtype, shape, device, values, is_buffer}}``, where
     ``is_buffer`` says whether it is the very buffer the caller passed in.
     """
+    import torch
+
     if isinstance(value, torch.Tensor):
         described = describe_tensor(value)
         described["is_buffer"] = buffer is not None and value is buffer
