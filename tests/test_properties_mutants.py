@@ -61,6 +61,11 @@ MORE_EXAMPLES: dict[str, int] = {
 }
 
 
+#: Shrinking budget per failing property: the test needs a failure that replays, not the
+#: smallest one (every example shrinking runs is a world).
+SHRINK_SECONDS = 3
+
+
 def _mutant_param(name: str) -> Any:
     """``name``, skipped where its bug cannot show on the installed megatron-core: the
     acceptance-rate mutants without counts, and those of `NEEDS_TO_SHOW` (an API the mutant's
@@ -95,7 +100,7 @@ def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) 
         tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
         "--hypothesis-profile", "dev",
         "--max-examples", str(MORE_EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
-        "--shrink-seconds", "10", bounds=bounds,
+        "--shrink-seconds", str(SHRINK_SECONDS), bounds=bounds,
     )  # fmt: skip
     assert data is not None, output
     assert code == 1, output
