@@ -7,8 +7,10 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from importlib import metadata
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -147,6 +149,18 @@ def router_reduction() -> dict[str, Reduction]:
     match = re.match(r"(\d+)\.(\d+)", installed)
     older = match is not None and (int(match[1]), int(match[2])) < (0, 19)
     return Z_LOSS_WITHOUT_GROUPS if older else ROUTER_REDUCTION
+
+
+def class_tracker_installed() -> bool:
+    """Whether the installed megatron-core keeps MoE metrics in ``moe_logging.MoEMetricsTracker``
+    (0.18+), not in 0.13-0.17's dict tracker of ``moe_utils``: the module's file decides, found
+    without importing megatron (the controller does not import it; inside a rank
+    `pipemetrics.sim.trackers.legacy_tracker` decides by importing the module)."""
+    spec = importlib.util.find_spec("megatron")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(
+        Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots
+    )
 
 
 def router_record(
