@@ -1141,7 +1141,8 @@ def table(data: dict[str, Any]) -> str:
                 f"{ours['first']['bytes']:,} B | {ours['steady']['collectives']} collectives, "
                 f"{ours['steady']['bytes']:,} B, {_ms(ours['steady_ms'])} | "
                 f"{theirs['steady']['collectives']} collectives, {theirs['steady']['bytes']:,} B, "
-                f"{_ms(theirs['steady_ms'])} | +{extra['collectives']} collective, "
+                f"{_ms(theirs['steady_ms'])} | +{extra['collectives']} "
+                f"collective{'' if abs(extra['collectives']) == 1 else 's'}, "
                 f"+{extra['bytes']} B, {_ratio_text(extra['ms_ratio'])} |"
             )
     lines += _left_out(not_measured, "call_cost_wide")
