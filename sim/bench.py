@@ -1124,14 +1124,15 @@ def table(data: dict[str, Any]) -> str:
         f"| reaction | {reaction['p50']:.2f} ms | {reaction['p95']:.2f} ms | |",
     ]
     if data["call_cost"]:
-        theirs_name = _megatron_call(data["call_cost"])
+        theirs = _megatron_call(data["call_cost"])
+        column = theirs.split(" (", 1)[0]  # the function, without what the title adds
         lines += [
             "",
-            "get_moe_metrics per call, busiest rank: the reference against megatron-core's "
-            f"{theirs_name} (steady call: collectives, bytes, median wall time in a raw run)",
+            f"get_moe_metrics per call, busiest rank: the reference against megatron-core's "
+            f"{theirs}; steady call: collectives, bytes, median wall time in a raw run",
             "",
-            f"| ranks | reference, first call | reference, steady | {theirs_name}, every call | "
-            f"steady: reference vs {theirs_name} |",
+            f"| ranks | reference, first call | reference, steady | {column}, every call | "
+            f"steady: reference vs {column} |",
             "| --- | --- | --- | --- | --- |",
         ]
         for size, sides in [*data["call_cost"].items(), *data.get("call_cost_wide", {}).items()]:
