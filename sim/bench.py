@@ -19,7 +19,8 @@ use (never against a constant the bench chose):
    torch's default process-group timeout, stated, never waited for;
 4. world start: preloaded (forked from the fork server) and cold (spawned), per world size;
 5. the per-call cost of the reference against Megatron's own ``report()``
-   (`pipemetrics.sim.call_cost`);
+   (`pipemetrics.sim.call_cost`; on megatron-core 0.13-0.17, which have no ``report()``, their
+   ``track_moe_metrics()``, whose collectives are ``reduce_aux_losses_tracker_across_ranks``);
 6. hang and mismatch detection (`pipemetrics.sim.hang_detection`) against PyTorch's own tools;
 7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile.
 
@@ -28,6 +29,10 @@ extra); ``--from-json FILE`` prints the table and draws the plots of an earlier 
 measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips step 7 and
 runs step 6 on three kinds with pipemetrics and DETAIL only, to prove the bench works. Numbers
 are reported, never asserted. Every world is closed and every temporary directory removed.
+
+What the installed megatron-core cannot run (`tier_unsupported`: the in-process tier on
+0.13-0.17) is left out: its throughput columns, scaling curve and wide call cost are listed under
+``not_measured`` in the JSON, with the reason, and printed under their tables.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from pipemetrics.sim.hang_detection import (
     measure_hang_detection,
     report_section,
 )
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
@@ -84,21 +90,33 @@ PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
 DEADLOCK_TARGET = """\
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+try:  # megatron-core 0.18+: the tracker class
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    def recorded():
+        return {name: entry.values for name, entry in get_moe_metrics_tracker().metrics.items()}
+except ImportError:  # megatron-core 0.13-0.17: the dict tracker of moe_utils
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    def recorded():
+        tracker = get_moe_layer_wise_logging_tracker()
+        return {name: entry["values"] for name, entry in tracker.items()}
 
 
 def get_moe_metrics(loss_scale, total_loss_dict=None, per_layer_logging=False,
                     num_layers=None, mtp_num_layers=None, track_names=None):
     # A stage that recorded nothing skips the loop, and with it the pipeline all_reduce that
     # its peers on the other stage are blocked in.
-    tracker = get_moe_metrics_tracker()
     out = {}
-    for name, entry in tracker.metrics.items():
-        dist.all_reduce(entry.values, group=parallel_state.get_pipeline_model_parallel_group())
-        out[name] = float(entry.values.mean()) * loss_scale
-    tracker.clear()
+    for name, values in recorded().items():
+        dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+        out[name] = float(values.mean()) * loss_scale
+        values.zero_()
     return out
 """
+NOT_MEASURED = "not measured on this release"
+"""How the report says that a measurement the installed megatron-core cannot run was left out."""
 
 
 class BenchError(RuntimeError):
@@ -208,6 +226,13 @@ TIERS: dict[str, Callable[[int], TierPool]] = {
 """Pool factories by tier name, given the most ranks alive at once. A tier added here gets a
 scaling curve when `make_plan` lists sizes for it, and a throughput column when it is added to
 `THROUGHPUT_MODES` with `persistent_in`."""
+
+
+def tier_unsupported(tier: str) -> str | None:
+    """Why ``tier`` cannot run with the installed megatron-core, or None (the in-process tier is
+    refused on 0.13-0.17: `inprocess_unsupported`). What it would measure is left out of the
+    run and reported as not measured on this release, with this reason."""
+    return inprocess_unsupported() if tier == "inprocess" else None
 
 
 class PidLog(list[int]):
@@ -501,6 +526,8 @@ class Mode:
     measure: Callable[[Plan], Measure]
     tier: str | None = None
     """The tier whose pooled steady state this is: measured once, for scaling and throughput."""
+    runs_on: str = "process"
+    """The tier whose worlds run its examples (`tier_unsupported` may leave the mode out)."""
     preloaded: bool = False
     """Its world starts are preloaded process-tier starts (counted in ``world_start_s``)."""
 
@@ -533,6 +560,7 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         lambda p: p.warmup_examples + p.persistent_examples,
         lambda p: persistent_in("inprocess", p.warmup_examples),
         tier="inprocess",
+        runs_on="inprocess",
     ),
     Mode(
         "rank_work_alone",
@@ -540,6 +568,7 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         "no data, nothing scheduled or matched, not judged): the ceiling of any in-process tier",
         lambda p: p.warmup_examples + p.persistent_examples,
         lambda p: persistent_in("inprocess", p.warmup_examples, gate=False),
+        runs_on="inprocess",
     ),
 )
 """The first mode is pipemetrics; every other is reported with its ratio to it."""
@@ -562,7 +591,16 @@ class Results:
     call_cost_wide: list[CallCost] = field(default_factory=list)
     """Collectives and bytes only, counted on the in-process tier."""
     hang: HangDetection | None = None
+    not_measured: dict[str, str] = field(default_factory=dict)
+    """What the installed megatron-core cannot run, left out: the report's key (``throughput.
+    MODE``, ``scaling.TIER``, ``call_cost_wide``) and why."""
     notes: list[str] = field(default_factory=list)
+
+    def leave_out(self, key: str, why: str) -> None:
+        """Record that ``key`` is not measured on this release, and say so on stderr."""
+        if key not in self.not_measured:
+            self.not_measured[key] = why
+            _err(f"{key}: {NOT_MEASURED}: {why}")
 
 
 def examples_for(size: int, count: int) -> list[Scenario]:
@@ -584,6 +622,10 @@ def warm_forkserver(results: Results, leftovers: Leftovers) -> None:
 def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
     """Every tier's pooled steady state at each of its sizes."""
     for tier, sizes in plan.scaling_sizes.items():
+        unsupported = tier_unsupported(tier)
+        if unsupported is not None:
+            results.leave_out(f"scaling.{tier}", unsupported)
+            continue
         measure = persistent_in(tier, plan.warmup_examples)
         count = plan.warmup_examples + plan.persistent_examples
         for size in sizes:
@@ -599,6 +641,10 @@ def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
 def measure_throughput(plan: Plan, results: Results, leftovers: Leftovers) -> None:
     """Every mode at every throughput size (a tier's pooled mode reuses the scaling run)."""
     for mode in THROUGHPUT_MODES:
+        unsupported = tier_unsupported(mode.runs_on)
+        if unsupported is not None:
+            results.leave_out(f"throughput.{mode.name}", unsupported)
+            continue
         measure = mode.measure(plan)
         for size in plan.sizes:
             known = results.scaling.get(mode.tier or "", {}).get(size)
@@ -622,6 +668,8 @@ def measure_throughput(plan: Plan, results: Results, leftovers: Leftovers) -> No
 def measure_starts(plan: Plan, results: Results, leftovers: Leftovers) -> None:
     """More fresh world starts where a tier has fewer than ``plan.preloaded_starts`` at a size."""
     for tier, sizes in plan.scaling_sizes.items():
+        if tier_unsupported(tier) is not None:
+            continue  # left out by measure_scaling, which says so
         for size in sizes:
             starts = results.tier_starts_s.setdefault(tier, {}).setdefault(size, [])
             while len(starts) < plan.preloaded_starts:
@@ -671,13 +719,17 @@ def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             )
         except RuntimeError as exc:
             raise BenchError(f"call cost: {exc}") from exc
-    with WorldPool(max_ranks=1, tier="inprocess") as pool:  # one host at a time
-        try:
-            results.call_cost_wide = measure_call_cost(
-                list(plan.wide_cost_sizes), pool, timed_steps=0, deadline_s=10 * DEADLINE_S
-            )
-        except RuntimeError as exc:
-            raise BenchError(f"call cost (in-process): {exc}") from exc
+    unsupported = tier_unsupported("inprocess")
+    if unsupported is not None:
+        results.leave_out("call_cost_wide", unsupported)
+    else:
+        with WorldPool(max_ranks=1, tier="inprocess") as pool:  # one host at a time
+            try:
+                results.call_cost_wide = measure_call_cost(
+                    list(plan.wide_cost_sizes), pool, timed_steps=0, deadline_s=10 * DEADLINE_S
+                )
+            except RuntimeError as exc:
+                raise BenchError(f"call cost (in-process): {exc}") from exc
     for cost in [*results.call_cost, *results.call_cost_wide]:
         timed = "" if cost.steady_ms is None else f", {cost.steady_ms:.2f} ms"
         _err(
@@ -794,18 +846,20 @@ def _mode_label(mode: Mode, plan_examples_per_test: int) -> str:
 
 def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]:
     first = THROUGHPUT_MODES[0].name
-    measured = {m.name: results.runs.get(m.name, {}) for m in THROUGHPUT_MODES}
-    ours = measured[first]
+    modes = [m for m in THROUGHPUT_MODES if m.name in results.runs]
+    measured = {m.name: results.runs[m.name] for m in modes}
+    ours = measured.get(first)
     if not ours:
         raise BenchError("the persistent throughput was not measured")
     preloaded = results.tier_starts_s.get("process", {})
     pids, directories = leftovers.survivors()
     sizes = deadlock_sizes(plan)
+    machine = machine_info()
     return {
         "throughput": {
             "sizes": list(plan.sizes),
             "examples_per_test": plan.examples_per_test,
-            "modes": {m.name: _mode_label(m, plan.examples_per_test) for m in THROUGHPUT_MODES},
+            "modes": {m.name: _mode_label(m, plan.examples_per_test) for m in modes},
             "examples": {
                 name: {str(s): run.examples for s, run in runs.items()}
                 for name, runs in measured.items()
@@ -864,8 +918,12 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         "call_cost": _call_cost(results.call_cost),
         "call_cost_wide": _call_cost(results.call_cost_wide),
         "hang_detection": None if results.hang is None else report_section(results.hang),
+        "not_measured": {
+            key: f"{NOT_MEASURED} (megatron-core {machine['megatron-core']}): {why}"
+            for key, why in results.not_measured.items()
+        },
         "quick": plan.quick,
-        "machine": machine_info(),
+        "machine": machine,
         "details": {
             "world_shapes": {
                 str(s): pipeline_world(s).key
@@ -910,8 +968,11 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "Verdict.latency_ms, from the event that makes the deadlock certain to the verdict; "
             "without pipemetrics a hang like this one blocks until torch's default process-group "
             "timeout (torch_default_timeout_s, stated, never waited for): see hang_detection",
-            "call_cost: get_moe_metrics of the reference and of megatron-core's own report() "
-            "(built-in target megatron-core) on the same steps in the same worlds; collectives "
+            "call_cost: get_moe_metrics of the reference and megatron-core's own logging call "
+            "(built-in target megatron-core: MoEMetricsTracker.report() on 0.18+; on 0.13-0.17, "
+            "which have no report(), moe_utils.track_moe_metrics(), whose collectives are the "
+            "release's reduce_aux_losses_tracker_across_ranks; each side's 'function' says which "
+            "ran) on the same steps in the same worlds; collectives "
             "and bytes moved into the busiest rank per call from a gated run (the first call "
             "and the steady state apart), steady_ms the median wall time of a steady call in a "
             f"raw run of {plan.cost_steps} steps; call_cost_wide the same collectives and bytes "
@@ -923,6 +984,9 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "mismatching collectives to the first error any rank raised, each case in two fresh "
             "python processes; short_timeout_s is our setting, default_timeout_s torch's "
             "default_pg_timeout (stated, never waited for)",
+            "not_measured: what the installed megatron-core cannot run, left out of this run "
+            "rather than missing silently: where it would be in this report (throughput.MODE, "
+            "scaling.TIER, call_cost_wide) and why; empty when everything was measured",
             *results.notes,
         ],
     }
@@ -930,8 +994,8 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
 
 def _call_cost(costs: list[CallCost]) -> dict[str, dict[str, Any]]:
     """{size: {"reference": ..., "megatron": ..., "steady_extra": ...}}: the steady extra is
-    what the reference adds to Megatron's report() per call, in collectives, bytes and ratio of
-    wall time."""
+    what the reference adds to Megatron's own call (each side's ``function``) per call, in
+    collectives, bytes and ratio of wall time."""
     out: dict[str, dict[str, Any]] = {}
     for cost in costs:
         side = cost.model_dump(exclude={"target", "world_size"})
@@ -979,6 +1043,18 @@ def _fmt_mb(stats: dict[str, float] | None) -> str:
     return "n/a" if stats is None else f"{stats['median']:.0f} MB ({stats['max']:.0f})"
 
 
+def _left_out(not_measured: dict[str, str], prefix: str) -> list[str]:
+    """A line per measurement under ``prefix`` that the release could not run: what and why."""
+    found = [f"{key}: {why}" for key, why in not_measured.items() if key.startswith(prefix)]
+    return ["", *found] if found else []
+
+
+def _megatron_call(call_cost: dict[str, dict[str, Any]]) -> str:
+    """The megatron side's function, as the table names it (``report()`` in JSON without one)."""
+    functions = {sides["megatron"].get("function", "report()") for sides in call_cost.values()}
+    return " / ".join(sorted(functions))
+
+
 def table(data: dict[str, Any]) -> str:
     """The results as markdown tables, the README's."""
     machine = data["machine"]
@@ -1007,6 +1083,8 @@ def table(data: dict[str, Any]) -> str:
             for m in others
         ]
         lines.append(f"| {size} | " + " | ".join(cells + ratios) + " |")
+    not_measured: dict[str, str] = data.get("not_measured", {})
+    lines += _left_out(not_measured, "throughput.")
     start = data["world_start_s"]
     for tier, by_size in data["scaling"].items():
         lines += [
@@ -1028,6 +1106,7 @@ def table(data: dict[str, Any]) -> str:
                 cold = start["cold"].get(size)
                 row += f" {'not measured' if cold is None else _fmt_s(cold)} |"
             lines.append(row)
+    lines += _left_out(not_measured, "scaling.")
     dl = data["deadlock"]
     e2e, reaction = dl["end_to_end_ms"], dl["reaction_ms"]
     sizes = " and ".join(str(s) for s in dl["sizes"])
@@ -1045,13 +1124,15 @@ def table(data: dict[str, Any]) -> str:
         f"| reaction | {reaction['p50']:.2f} ms | {reaction['p95']:.2f} ms | |",
     ]
     if data["call_cost"]:
+        theirs = _megatron_call(data["call_cost"])
+        column = theirs.split(" (", 1)[0]  # the function, without what the title adds
         lines += [
             "",
-            "get_moe_metrics per call, busiest rank: the reference against megatron-core's "
-            "report() (steady call: collectives, bytes, median wall time in a raw run)",
+            f"get_moe_metrics per call, busiest rank: the reference against megatron-core's "
+            f"{theirs}; steady call: collectives, bytes, median wall time in a raw run",
             "",
-            "| ranks | reference, first call | reference, steady | report(), every call | "
-            "steady: reference vs report() |",
+            f"| ranks | reference, first call | reference, steady | {column}, every call | "
+            f"steady: reference vs {column} |",
             "| --- | --- | --- | --- | --- |",
         ]
         for size, sides in [*data["call_cost"].items(), *data.get("call_cost_wide", {}).items()]:
@@ -1061,9 +1142,11 @@ def table(data: dict[str, Any]) -> str:
                 f"{ours['first']['bytes']:,} B | {ours['steady']['collectives']} collectives, "
                 f"{ours['steady']['bytes']:,} B, {_ms(ours['steady_ms'])} | "
                 f"{theirs['steady']['collectives']} collectives, {theirs['steady']['bytes']:,} B, "
-                f"{_ms(theirs['steady_ms'])} | +{extra['collectives']} collective, "
+                f"{_ms(theirs['steady_ms'])} | +{extra['collectives']} "
+                f"collective{'' if abs(extra['collectives']) == 1 else 's'}, "
                 f"+{extra['bytes']} B, {_ratio_text(extra['ms_ratio'])} |"
             )
+    lines += _left_out(not_measured, "call_cost_wide")
     check = data["check_ci_profile_s"]
     lines += [
         "",

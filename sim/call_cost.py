@@ -3,7 +3,10 @@
 Both run the same scenario, side by side, in the same pooled world: every step records the
 same names (two MoE layers per stage, two names), and each rank calls ``get_moe_metrics`` with
 the document's pre-initialising arguments. Megatron's side is the built-in target
-``megatron-core`` (``report()`` as ``training_log`` calls it). Per call and rank:
+``megatron-core``, the release's own logging call as its ``training_log`` makes it
+(`megatron_function`): ``MoEMetricsTracker.report()`` on megatron-core 0.18+; on 0.13-0.17, which
+have no ``report()``, ``moe_utils.track_moe_metrics()``, whose collectives are the release's own
+reduction, ``reduce_aux_losses_tracker_across_ranks`` (dict tracker). Per call and rank:
 
 * ``collectives`` and ``bytes`` from a gated run, which sees every collective: only those that
   communicate (a group of one rank is local). ``bytes`` is what the call moves into the rank:
@@ -26,7 +29,12 @@ from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.protocol import CallReport, CollectiveCall
-from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
+from pipemetrics.sim.records import (
+    MoeRecord,
+    StepRecords,
+    class_tracker_installed,
+    router_record,
+)
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import coordinates
 
@@ -36,8 +44,17 @@ TARGETS: tuple[tuple[Side, str], ...] = (
     ("megatron", "megatron-core"),
 )
 """Side by side: pipemetrics' reference and megatron-core's own ``report()``."""
+REFERENCE_FUNCTION = "pipemetrics.reference get_moe_metrics()"
 TRACK_NAMES = ["load_balancing_loss", "z_loss"]
 OBJECT_GATHERS = frozenset({"all_gather_object", "gather_object"})
+
+
+def megatron_function() -> str:
+    """What the megatron side calls on the installed release, decided by feature as the built-in
+    target decides it (the ``moe_logging`` module, 0.18+), without importing megatron."""
+    if class_tracker_installed():
+        return "MoEMetricsTracker.report()"
+    return "moe_utils.track_moe_metrics() (its reduction: reduce_aux_losses_tracker_across_ranks)"
 
 
 class CallTraffic(BaseModel):
@@ -55,6 +72,8 @@ class CallCost(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     target: Side
+    function: str
+    """What the side calls (`REFERENCE_FUNCTION`, `megatron_function`)."""
     world_size: int
     first: CallTraffic
     steady: CallTraffic
@@ -123,6 +142,7 @@ def measure_call_cost(
     sizes: list[int], pool: WorldPool, *, timed_steps: int, deadline_s: float = 60.0
 ) -> list[CallCost]:
     """Both targets at each size of ``sizes`` (worlds pp=2 x dp=size/2), on the pool's tier."""
+    functions: dict[Side, str] = {"reference": REFERENCE_FUNCTION, "megatron": megatron_function()}
     costs = []
     for size in sizes:
         spec = WorldSpec(pp=2, dp=size // 2)
@@ -138,6 +158,7 @@ def measure_call_cost(
             costs.append(
                 CallCost(
                     target=label,
+                    function=functions[label],
                     world_size=size,
                     first=traffic(gated, 0),
                     steady=CallTraffic(

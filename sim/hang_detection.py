@@ -142,6 +142,12 @@ def hold():  # a trainer would go on; the parent kills us
 
 short = datetime.timedelta(seconds=short_s)
 timeout = {{"timeout": short}} if tool in ("detail_short", "plain_short") else {{}}
+# Enter the rendezvous together: with the short timeout it also bounds how far apart the two
+# ranks may reach it, and one rank importing torch seconds later (a loaded machine) would fail
+# init_process_group instead of the pair. The parent kills both if the peer never gets here.
+report("ready", at=time.monotonic())
+while not os.path.exists(os.path.join(directory, f"rank{{1 - rank}}.ready")):
+    time.sleep(0.005)
 dist.init_process_group(
     "gloo", init_method="file://" + os.path.join(directory, "store"), rank=rank, world_size=2,
     **timeout,

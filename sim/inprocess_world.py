@@ -12,7 +12,6 @@ run is a timeout.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import multiprocessing.connection
 import os
 import shutil
@@ -20,13 +19,12 @@ import signal
 import time
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 from pipemetrics.sim.coordinator import Verdict
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.protocol import HostReady, HostResult, Shutdown, Task
-from pipemetrics.sim.records import RankPlace
+from pipemetrics.sim.records import RankPlace, class_tracker_installed
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import (
     STACK_DUMP_WAIT_S,
@@ -55,9 +53,7 @@ def inprocess_unsupported() -> str | None:
     the differential test fails (deadlocks and values differ, a 64-rank world raises), so the
     tier refuses the legacy releases rather than risk a wrong verdict (``prove`` has no second
     tier to confirm on)."""
-    spec = importlib.util.find_spec("megatron")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if any(Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots):
+    if class_tracker_installed():
         return None
     return (
         "the in-process tier is validated on megatron-core 0.18+ (its MoEMetricsTracker) only; "

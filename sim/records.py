@@ -7,6 +7,8 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field
@@ -138,6 +140,18 @@ def router_reduction() -> dict[str, Reduction]:
     router's code decides (`installed_router_averages_z_loss`), not its version.
     """
     return ROUTER_REDUCTION if installed_router_averages_z_loss() else Z_LOSS_WITHOUT_GROUPS
+
+
+def class_tracker_installed() -> bool:
+    """Whether the installed megatron-core keeps MoE metrics in ``moe_logging.MoEMetricsTracker``
+    (0.18+), not in 0.13-0.17's dict tracker of ``moe_utils``: the module's file decides, found
+    without importing megatron (the controller does not import it; inside a rank
+    `pipemetrics.sim.trackers.legacy_tracker` decides by importing the module)."""
+    spec = importlib.util.find_spec("megatron")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return any(
+        Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots
+    )
 
 
 def router_record(

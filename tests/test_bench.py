@@ -5,6 +5,13 @@ shared and noisy); the targets are reported by the bench, not asserted. What is 
 shape of the JSON, that every figure is a positive number, that each speedup is the ratio of
 the two rates, that ``--plot`` draws PNG files (or names the missing extra before measuring),
 and that the bench left no rank process or world directory behind.
+
+The contract holds on every supported megatron-core release; what the release can run decides,
+by feature, what the run contains: on 0.13-0.17 (no ``moe_logging``) the in-process tier is
+refused, so its throughput columns, its scaling curve and the wide call cost are left out and
+listed under ``not_measured`` with the reason, and Megatron's side of the call cost is the
+release's ``track_moe_metrics()`` (its reduction: ``reduce_aux_losses_tracker_across_ranks``)
+instead of ``MoEMetricsTracker.report()``.
 """
 
 from __future__ import annotations
@@ -22,12 +29,18 @@ import pytest
 
 from pipemetrics.sim import bench
 from pipemetrics.sim.bench import plotting_available
+from pipemetrics.sim.call_cost import REFERENCE_FUNCTION
 from pipemetrics.sim.hang_detection import measure_pipemetrics
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
 
 from .conftest import Bounds, TrackingPool, pid_alive
 
 QUICK_SIZES = {"2", "4"}
 REPORTED_AS = {"mismatch", "deadlock", "timeout", "other error", "crash", "nothing"}
+INPROCESS_MEASUREMENTS = {
+    "throughput.inprocess", "throughput.rank_work_alone", "scaling.inprocess", "call_cost_wide",
+}  # fmt: skip
+"""What the bench measures on the in-process tier, in ``not_measured``'s keys."""
 
 
 def positive(value: Any) -> bool:
@@ -46,6 +59,9 @@ BENCH = [sys.executable, "-m", "pipemetrics.properties.cli", "bench"]
 
 
 def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) -> None:
+    from pipemetrics.sim.trackers import legacy_tracker  # imports megatron: the rank's own check
+
+    inprocess_refused = inprocess_unsupported()
     out = tmp_path / "bench.json"
     plots = tmp_path / "plots"
     done = subprocess.run(
@@ -61,9 +77,31 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
 
     contract = {
         "throughput", "scaling", "world_start_s", "deadlock", "check_ci_profile_s", "call_cost",
-        "call_cost_wide", "hang_detection", "machine", "leftovers",
+        "call_cost_wide", "hang_detection", "not_measured", "machine", "leftovers",
     }  # fmt: skip
     assert contract <= set(data)
+
+    # What the installed release cannot run is left out, and said so, never silently missing.
+    if inprocess_refused is None:
+        assert data["not_measured"] == {}, data["not_measured"]
+        assert "not measured on this release" not in done.stdout
+    else:
+        assert set(data["not_measured"]) == INPROCESS_MEASUREMENTS, data["not_measured"]
+        for key, why in data["not_measured"].items():
+            assert why.startswith("not measured on this release (megatron-core "), (key, why)
+            assert why.endswith(inprocess_refused), (key, why)
+            assert f"{key}: {why}" in done.stdout, key
+            assert f"{key}: not measured on this release: {inprocess_refused}" in done.stderr, key
+    measured_inprocess = {"inprocess", "rank_work_alone"} & set(data["throughput"]["modes"])
+    if inprocess_refused is None:
+        assert measured_inprocess == {"inprocess", "rank_work_alone"}
+        assert set(data["scaling"]) == {"process", "inprocess"}
+        assert set(data["scaling"]["inprocess"]) == QUICK_SIZES
+        assert set(data["call_cost_wide"]) == {"4"}
+    else:
+        assert measured_inprocess == set()
+        assert set(data["scaling"]) == {"process"}
+        assert data["call_cost_wide"] == {}
     through = data["throughput"]
     modes = list(through["modes"])
     assert modes[0] == "persistent" and {"fork_per_example", "spawn_per_test"} <= set(modes)
@@ -116,8 +154,16 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert data["quick"] is True
 
     assert set(data["call_cost"]) == QUICK_SIZES
+    if legacy_tracker():  # 0.13-0.17: no report(); their training_log's call, its reduction
+        megatron_call = (
+            "moe_utils.track_moe_metrics() (its reduction: reduce_aux_losses_tracker_across_ranks)"
+        )
+    else:
+        megatron_call = "MoEMetricsTracker.report()"
     for size, sides in data["call_cost"].items():
         assert set(sides) == {"reference", "megatron", "steady_extra"}, size
+        assert sides["reference"]["function"] == REFERENCE_FUNCTION, size
+        assert sides["megatron"]["function"] == megatron_call, size
         for side in (sides["reference"], sides["megatron"]):
             for call in (side["first"], side["steady"]):
                 assert positive(call["collectives"]) and positive(call["bytes"]), (size, side)
@@ -136,7 +182,6 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
             assert positive(side["steady"]["collectives"]) and side["steady_ms"] is None, size
         assert sides["steady_extra"]["ms_ratio"] is None
         assert sides["steady_extra"]["collectives"] == 1, sides  # the agreement round
-    assert set(data["call_cost_wide"]) == {"4"}
 
     hang = data["hang_detection"]
     assert {
@@ -171,6 +216,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
 
     assert "Throughput, examples/s" in done.stdout and "Deadlock verdict" in done.stdout
     assert "Scaling, process tier" in done.stdout and "get_moe_metrics per call" in done.stdout
+    assert f"the reference against megatron-core's {megatron_call};" in done.stdout
 
     if PLOTTING:
         for name in ("throughput.png", "scaling.png"):
