@@ -148,7 +148,7 @@ def moe_call_features(setup: Setup, call: MoeCall) -> list[str]:
     elif not call.track_names:
         found.append("track_names=[]")
     else:
-        live = set(setup.layout.live_track_names)
+        live = set(setup.layout.recorded_track_names)
         if live - set(call.track_names):
             found.append("recorded_names_outside_track_names")
         if set(call.track_names) - live:

@@ -153,7 +153,7 @@ def moe_values(scenario: Scenario, run: WorldRun) -> list[str]:
 @_guarded
 def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
     """The per-name keys are exactly the oracle's: recorded names plus pre-initialised ones."""
-    live = set(scenario.setup.layout.live_track_names)
+    live = set(scenario.setup.layout.recorded_track_names)
 
     def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         expected = {k for k in exp if _is_mean(k)}

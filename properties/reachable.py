@@ -7,25 +7,39 @@ after one training step's recording (`tracker_violations`). Tests hold both side
 state the synthetic generators produce, and every state megatron-core's real ``TopKRouter`` and
 ``MTPLossLoggingHelper`` produce in router mode, must satisfy it.
 
-MoE tracker (``MoEMetricsTracker.record``, called only by ``TopKRouter``):
+The model is the installed megatron-core's (0.13-0.19): where releases record differently, it
+follows the features read from the installed source without importing megatron
+(`pipemetrics.sim.layout`'s ``installed_*`` functions), never the version string. A setup whose
+routing types the installed router cannot run (a list before 0.14, ``global_aux_loss`` before
+0.15: `RouterRouting.refusal`) has no reachable state.
+
+MoE tracker (``MoEMetricsTracker.record`` / 0.13-0.17's ``save_to_aux_losses_tracker``, called
+only by ``TopKRouter``):
 
 * a rank holds entries only if its pipeline stage owns a router (a main MoE layer, or an MoE
   MTP layer); it then holds exactly the names the router records for the config
-  (`ModelLayout.live_track_names`), inserted in the router's order (``z_loss`` first, then
-  ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``);
+  (`ModelLayout.recorded_track_names`), inserted in the router's order (``z_loss`` first, then
+  ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``); 0.13
+  records the seq-aux loss as ``load_balancing_loss`` (`installed_seq_aux_loss_name`);
 * every entry has length ``num_layers + mtp_num_layers`` and the installed router's groups for
-  its name (`pipemetrics.sim.records.router_reduction`: 0.18 records ``z_loss`` without groups);
+  its name in this world (`pipemetrics.sim.records.recorded_reduction`: 0.13-0.18 record
+  ``z_loss`` without groups; 0.13 records the load-balancing loss without a reduce group when
+  ``tp * cp == 1``);
 * values are sums over microbatches of per-forward losses divided by their coefficient: finite
-  and > 0 in the stage's router slots (a load-balancing loss sums positive token fractions times
-  positive probabilities; a z-loss is a mean of squared log-sum-exps, zero only in degenerate
-  cases), 0 elsewhere, except ``z_loss`` with ``moe_z_loss_coeff == 0.0``, which the router
+  and > 0 in the stage's router slots (`Setup.router_slots`: main MoE layers at their global
+  number; MoE MTP layers at ``num_layers + k`` from 0.16, in the slot of the MTP chunk's first
+  decoder layer on 0.13-0.15), 0 elsewhere (a load-balancing loss sums positive token
+  fractions times positive probabilities; a z-loss is a mean of squared log-sum-exps, zero only
+  in degenerate cases), except ``z_loss`` with ``moe_z_loss_coeff == 0.0``, which the router
   records as ``0 / 0``: NaN in its slots. So an all-zero entry is never the router's: it is a
   placeholder some code pre-initialised.
 
-MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``):
+MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``; 0.13-0.18:
+``save_loss_to_tracker``, the loss only; 0.13 saves it in ``MultiTokenPredictionBlock.forward``):
 
-* held only by the ranks of the stage holding the MTP layers, each with ``mtp_num_layers`` slots,
-  no reduce group and the data+context-parallel group as avg group;
+* held only by the ranks of the last stage, each with ``mtp_num_layers`` slots, no reduce group
+  and the installed release's avg group (`installed_mtp_loss_avg_role`: data+context from
+  0.14, tensor+context on 0.13);
 * loss: a per-token cross entropy, finite and >= 0, and exactly 0 where no token was valid
   (``process_mtp_loss`` multiplies by ``num_tokens > 0``); correct and total: whole token counts
   with ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones,
@@ -39,7 +53,7 @@ from __future__ import annotations
 import math
 import struct
 
-from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role, installed_router_routing
 from pipemetrics.sim.records import (
     DpRule,
     EntrySnapshot,
@@ -47,11 +61,8 @@ from pipemetrics.sim.records import (
     RankPlace,
     StepRecords,
     TrackerSnapshot,
-    router_reduction,
+    recorded_reduction,
 )
-
-MTP_AVG_ROLE = "dp_cp"
-"""The group role ``process_mtp_loss`` passes as ``avg_group``."""
 
 
 def nan_recorded(setup: Setup, name: str) -> bool:
@@ -67,12 +78,12 @@ def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     """How ``snapshot``'s MoE entries break the model (empty: Megatron can record them)."""
     layout = setup.layout
     stage = place.pp_rank
-    expected = layout.live_track_names if setup.records_moe(stage) else []
+    expected = layout.recorded_track_names if setup.records_moe(stage) else []
     names = list(snapshot.moe)
     if names != expected:
         return [f"rank {place.rank}: names {names}, but the router records {expected}"]
     problems = []
-    reduction = router_reduction()
+    reduction = recorded_reduction(setup.world)
     slots = set(setup.router_slots(stage))
     for name, entry in snapshot.moe.items():
         where = f"rank {place.rank} {name}"
@@ -104,7 +115,8 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     problems = []
     if len(mtp.loss) != layout.mtp_num_layers:
         problems.append(f"{where}: {len(mtp.loss)} loss slots != {layout.mtp_num_layers}")
-    if mtp.reduce_group is not None or mtp.avg_group != place.groups[MTP_AVG_ROLE]:
+    avg = place.groups[installed_mtp_loss_avg_role()]
+    if mtp.reduce_group is not None or mtp.avg_group != avg:
         problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
     if not all(0.0 <= v < math.inf for v in mtp.loss):
         problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
@@ -133,11 +145,18 @@ def tp_peer_violations(
     return problems
 
 
+def routing_violations(setup: Setup) -> list[str]:
+    """Why the installed router records nothing for ``setup`` (its routing types are ones it
+    cannot run: `RouterRouting.refusal`), as a one-item list; empty when it runs them."""
+    refusal = installed_router_routing().refusal(setup.layout)
+    return [] if refusal is None else [f"routing_type {setup.layout.routing_type!r}: {refusal}"]
+
+
 def tracker_violations(
     setup: Setup, places: dict[int, RankPlace], snapshots: dict[int, TrackerSnapshot]
 ) -> list[str]:
     """Every way the per-rank snapshots after one step's recording break the model."""
-    problems = tp_peer_violations(setup, places, snapshots)
+    problems = routing_violations(setup) + tp_peer_violations(setup, places, snapshots)
     for rank, place in sorted(places.items()):
         snapshot = snapshots[rank]
         problems += moe_violations(setup, place, snapshot) + mtp_violations(setup, place, snapshot)

@@ -230,12 +230,17 @@ def layouts(
     max_vpp: int = 1,
 ) -> ModelLayout:
     """A model layout for ``pp`` stages (stages without MoE, MTP on the last stage or, in a
-    flexible layout, standalone on another, virtual pipeline chunks, ...)."""
+    flexible layout, standalone on another, virtual pipeline chunks, ...); by default only
+    routing types the installed megatron-core's router runs (`installed_router_routing`:
+    no list on 0.13, no ``global_aux_loss`` before 0.15), the only ones it records anything
+    for."""
     mtp_num_layers = draw(st.integers(min_mtp, max_mtp))
     num_layers, split = draw(
         splits(pp, max_per_stage, mtp_num_layers=mtp_num_layers, flexible=flexible, max_vpp=max_vpp)
     )
-    config = draw(routing if routing is not None else routing_configs())
+    config = draw(
+        routing if routing is not None else routing_configs(router=installed_router_routing())
+    )
     return ModelLayout(
         num_layers=num_layers,
         split=split,
@@ -359,13 +364,14 @@ def moe_call(
     per_layer_logging: bool = False,
     use_total_loss_dict: bool = False,
 ) -> MoeCall:
-    """``get_moe_metrics`` as a typical trainer calls it (pre-initialising the live names)."""
+    """``get_moe_metrics`` as a typical trainer calls it (pre-initialising the names the
+    installed router records, `ModelLayout.recorded_track_names`)."""
     return MoeCall(
         loss_scale=loss_scale,
         per_layer_logging=per_layer_logging,
         num_layers=layout.num_layers,
         mtp_num_layers=layout.mtp_num_layers or None,
-        track_names=list(layout.live_track_names),
+        track_names=list(layout.recorded_track_names),
         num_moe_layers=layout.num_moe_layers if semantic == "megatron" else None,
         use_total_loss_dict=use_total_loss_dict,
     )
@@ -408,7 +414,7 @@ def moe_arguments(
     layout (pipemetrics' reference is collectively safe for all of them).
     """
     layout = setup.layout
-    live = list(layout.live_track_names)
+    live = list(layout.recorded_track_names)
     mtp = layout.mtp_num_layers
     mtp_forms: list[int | None] = [mtp] if mtp else [None, 0]
     strict = semantic == "strict"

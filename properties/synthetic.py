@@ -2,13 +2,16 @@
 
 `synthetic_records` is a Hypothesis strategy of one step's `StepRecords` for a `Setup`, drawn
 inside the reachability model of `pipemetrics.properties.reachable` (tests check every draw
-against it): every rank records, for every microbatch and every router its pipeline stage owns
-(main MoE layers at their 1-based global slot; MoE MTP layers at slot ``num_layers + k``), each
-live name in the router's order with the groups the installed megatron-core's router passes
-(`pipemetrics.sim.records.router_reduction`) and entries of length ``num_layers + mtp_num_layers``. The ranks of the
-stage holding the MTP layers record every MTP layer per microbatch (0-based ``layer_number``,
-averaged over the data+context group): a loss and whole token counts with correct <= total,
-the same on tensor-parallel peers.
+against it), as the installed megatron-core records: every rank records, for every microbatch
+and every router its pipeline stage owns (`Setup.router_slots`: main MoE layers at their 1-based
+global slot; MoE MTP layers at slot ``num_layers + k``, or on 0.13-0.15 the MTP chunk's first
+decoder slot), each name the installed router records in the router's order
+(`ModelLayout.recorded_track_names`) with the groups it passes in this world
+(`pipemetrics.sim.records.recorded_reduction`) and entries of length
+``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
+microbatch (0-based ``layer_number``, averaged over the installed release's group,
+`installed_mtp_loss_avg_role`): a loss and whole token counts with correct <= total, the same on
+tensor-parallel peers.
 """
 
 from __future__ import annotations
@@ -18,14 +21,14 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from pipemetrics.properties.reachable import MTP_AVG_ROLE, nan_recorded
-from pipemetrics.sim.layout import Setup
+from pipemetrics.properties.reachable import nan_recorded
+from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
     StepRecords,
+    recorded_reduction,
     router_record,
-    router_reduction,
 )
 from pipemetrics.sim.topology import places_for
 
@@ -80,7 +83,8 @@ def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> Step
     (called in the order a step records; a name whose loss is NaN by construction gets NaN
     without asking). Tensor-parallel peers share the MTP records of the lowest of them."""
     layout = setup.layout
-    reduction = router_reduction()
+    reduction = recorded_reduction(setup.world)
+    names = layout.recorded_track_names
     moe: dict[int, list[MoeRecord]] = {}
     mtp: dict[int, list[MtpRecord]] = {}
     for rank, place in sorted(places_for(setup.world).items()):
@@ -95,7 +99,7 @@ def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> Step
             )
             for microbatch in range(layout.microbatches)
             for slot in setup.router_slots(stage)
-            for name in layout.live_track_names
+            for name in names
         ]
         if records:
             moe[rank] = records
@@ -108,6 +112,7 @@ def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> Step
 def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord]:
     """One rank's MTP records of a step."""
     layout = setup.layout
+    avg = installed_mtp_loss_avg_role()
     records = []
     for microbatch in range(layout.microbatches):
         for k in range(layout.mtp_num_layers):
@@ -119,7 +124,7 @@ def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord
                     loss=loss if total else 0.0,  # no valid token: loss 0
                     correct=correct,
                     total=total,
-                    avg=MTP_AVG_ROLE,
+                    avg=avg,
                 )
             )
     return records

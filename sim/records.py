@@ -13,7 +13,12 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from pipemetrics.sim.layout import Frozen, installed_router_averages_z_loss
+from pipemetrics.sim.layout import (
+    Frozen,
+    WorldSpec,
+    installed_router_averages_z_loss,
+    installed_router_skips_lone_reduce_group,
+)
 
 Ranks = tuple[int, ...]
 
@@ -137,7 +142,8 @@ def router_reduction() -> dict[str, Reduction]:
     megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.13 to
     0.18 record it without groups (`Z_LOSS_WITHOUT_GROUPS`; 0.13 records ``load_balancing_loss``
     without a reduce group when tensor x context parallelism is 1, numerically the same). The
-    router's code decides (`installed_router_averages_z_loss`), not its version.
+    router's code decides (`installed_router_averages_z_loss`), not its version. The table of
+    one world, with 0.13's lone groups left out: `recorded_reduction`.
     """
     return ROUTER_REDUCTION if installed_router_averages_z_loss() else Z_LOSS_WITHOUT_GROUPS
 
@@ -152,6 +158,20 @@ def class_tracker_installed() -> bool:
     return any(
         Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots
     )
+
+
+def recorded_reduction(world: WorldSpec) -> dict[str, Reduction]:
+    """`router_reduction` as the installed router records it in ``world``: where it passes its
+    tensor+context group as a load-balancing loss's reduce group only when that group has more
+    than one rank (0.13, `installed_router_skips_lone_reduce_group`) and ``tp * cp == 1``,
+    those names have no reduce group."""
+    table = router_reduction()
+    if world.tp * world.cp > 1 or not installed_router_skips_lone_reduce_group():
+        return table
+    return {
+        name: (None if reduce == "tp_cp" else reduce, avg, needs_dp_avg)
+        for name, (reduce, avg, needs_dp_avg) in table.items()
+    }
 
 
 def router_record(

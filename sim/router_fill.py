@@ -52,7 +52,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -61,7 +61,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pipemetrics.sim.layout import ModelLayout, Setup
+from pipemetrics.sim.layout import ModelLayout, MtpNumbering, Setup
 from pipemetrics.sim.trackers import cpu_current_device, save_mtp
 
 SEQ_LENGTH = 4
@@ -89,9 +89,6 @@ def _generator(*parts: int) -> torch.Generator:
     gen = torch.Generator(device="cpu")
     gen.manual_seed(_mix(*parts))
     return gen
-
-
-MtpNumbering = Literal["router_adds_num_layers", "layer_passes_global", "default_layer_number"]
 
 
 def router_takes_type_lists() -> bool:
@@ -148,7 +145,8 @@ def router_constructor_kwargs(is_mtp: bool) -> dict[str, Any]:
 
 
 def mtp_router_numbering() -> MtpNumbering:
-    """How the installed release numbers the router of a MoE layer inside MTP layer ``k``.
+    """How the installed release numbers the router of a MoE layer inside MTP layer ``k``
+    (the controller reads the same from the source: `installed_mtp_router_numbering`).
 
     * ``"router_adds_num_layers"`` (0.17+): built with ``is_mtp_layer=True``, layer number ``k``;
       the router records at ``k + num_layers``.

@@ -15,16 +15,29 @@ from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
 from pipemetrics.properties.coverage import features
 from pipemetrics.properties.profiles import PROFILES
-from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
+from pipemetrics.properties.reachable import (
+    recorded_snapshots,
+    routing_violations,
+    tracker_violations,
+)
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
+from pipemetrics.properties.synthetic import step_records
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.layout import (
+    ModelLayout,
+    Setup,
+    WorldSpec,
+    installed_mtp_loss_avg_role,
+    installed_mtp_router_numbering,
+    installed_router_routing,
+    installed_seq_aux_loss_name,
+)
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
     StepRecords,
+    recorded_reduction,
     router_record,
-    router_reduction,
 )
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import broadcast_plan, places_for
@@ -34,6 +47,7 @@ FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 FIND = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 
 LBL = "load_balancing_loss"
+SEQ = "seq_load_balancing_loss"
 STABLE_IDS = {
     "round_up.least_multiple",
     "broadcast.roundtrip",
@@ -95,11 +109,11 @@ def _check_documented_arguments(setup: Setup, call: MoeCall, semantic: str) -> N
     assert (call.num_moe_layers is not None) == (semantic == "megatron")
     if semantic == "strict":
         return
-    assert call.track_names in (layout.live_track_names, None)
+    assert call.track_names in (layout.recorded_track_names, None)
     assert call.mtp_num_layers == (layout.mtp_num_layers or call.mtp_num_layers)
     if not s.every_rank_records_every_name(setup):
         assert call.num_layers == layout.num_layers
-        assert call.track_names == layout.live_track_names
+        assert call.track_names == layout.recorded_track_names
 
 
 @FAST
@@ -110,24 +124,109 @@ def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
     places = places_for(setup.world)
     layout = setup.layout
     for rank, place in places.items():
-        per_forward = len(setup.router_slots(place.pp_rank)) * len(layout.live_track_names)
+        per_forward = len(setup.router_slots(place.pp_rank)) * len(layout.recorded_track_names)
         assert len(records.moe.get(rank, [])) == layout.microbatches * per_forward
     assert tracker_violations(setup, places, recorded_snapshots(places, records)) == []
+
+
+@FAST
+@given(st.data())
+def test_synthetic_records_draw_only_what_the_installed_router_records(
+    data: st.DataObject,
+) -> None:
+    setup = data.draw(s.setups(CI))
+    records = data.draw(s.synthetic_records(setup))
+    assert installed_router_routing().refusal(setup.layout) is None  # routing it runs
+    names = {r.name for recs in records.moe.values() for r in recs}
+    assert names <= set(setup.layout.recorded_track_names)
+    if installed_seq_aux_loss_name() != SEQ:  # 0.13 logs seq-aux as load_balancing_loss
+        assert SEQ not in names
+    assert {m.avg for recs in records.mtp.values() for m in recs} <= {installed_mtp_loss_avg_role()}
+
+
+def _other[T](options: set[T], installed: T) -> T:
+    """The one option that is not the installed release's."""
+    (other,) = options - {installed}
+    return other
+
+
+def test_the_reachability_model_follows_the_installed_release() -> None:
+    # Where releases record differently (read from the installed source), the installed way is
+    # reachable and the other releases' way is not: the seq-aux name (0.13: load_balancing_loss),
+    # the MTP router's slot (0.13-0.15: the MTP chunk's first decoder layer), the MTP loss's avg
+    # group (0.13: tensor+context), the reduce group of a one-rank tensor+context group (0.13:
+    # none).
+    layout = ModelLayout(
+        num_layers=2, mtp_num_layers=1, routing_type="seq_aux_loss", aux_loss_coeff=0.1
+    )
+    setup = Setup(world=WorldSpec(dp=2), layout=layout)
+    places = places_for(setup.world)
+    good = step_records(setup, lambda *_: 1.0, lambda *_: (1.0, 1.0, 2.0))
+    assert tracker_violations(setup, places, recorded_snapshots(places, good)) == []
+    ((name, reduce),) = {(r.name, r.reduce) for recs in good.moe.values() for r in recs}
+    assert name == installed_seq_aux_loss_name()
+    mtp_slot = setup.mtp_router_slot(1)
+    assert mtp_slot == (1 if installed_mtp_router_numbering() == "default_layer_number" else 3)
+
+    def moe(update: dict[str, object], *, mtp_router_only: bool = False) -> StepRecords:
+        """``good`` with ``update`` applied to every MoE record (or only to the last of each
+        rank's step: the MTP layer's router records after the main layers')."""
+        return good.model_copy(
+            update={
+                "moe": {
+                    rank: [
+                        r.model_copy(update=update)
+                        if i == len(recs) - 1 or not mtp_router_only
+                        else r
+                        for i, r in enumerate(recs)
+                    ]
+                    for rank, recs in good.moe.items()
+                }
+            }
+        )
+
+    other_avg = _other({"tp_cp", "dp_cp"}, installed_mtp_loss_avg_role())
+    bad = {
+        "the other seq-aux name": moe({"name": _other({SEQ, LBL}, name)}),
+        "the other MTP router slot": moe(
+            {"layer_number": _other({1, 3}, mtp_slot)}, mtp_router_only=True
+        ),
+        "the other reduce group": moe({"reduce": _other({None, "tp_cp"}, reduce)}),
+        "the other MTP avg group": good.model_copy(
+            update={
+                "mtp": {
+                    r: [m.model_copy(update={"avg": other_avg}) for m in recs]
+                    for r, recs in good.mtp.items()
+                }
+            }
+        ),
+    }
+    for what, records in bad.items():
+        assert tracker_violations(setup, places, recorded_snapshots(places, records)), what
+
+
+def test_routing_the_installed_router_cannot_run_reaches_no_state() -> None:
+    layout = ModelLayout(
+        num_layers=1, routing_type=["aux_loss", "global_aux_loss"], aux_loss_coeff=[0.1, 0.1]
+    )
+    routing = installed_router_routing()
+    runs = routing.type_lists and routing.global_aux_loss  # 0.15+
+    assert (routing_violations(Setup(layout=layout)) == []) == runs
 
 
 def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
     layout = ModelLayout(
         num_layers=2, moe_layer_freq=[0, 1], mtp_num_layers=1, mtp_is_moe=False,
-        routing_type=["aux_loss"],
-        aux_loss_coeff=[0.1], z_loss_coeff=1e-3,
+        routing_type="aux_loss", aux_loss_coeff=0.1, z_loss_coeff=1e-3,
     )  # fmt: skip
     setup = Setup(world=WorldSpec(pp=2, tp=2), layout=layout)
     places = places_for(setup.world)
 
     def record(name: str, slot: int, value: float) -> MoeRecord:  # the installed router's groups
-        return router_record(name, slot, value, 3, router_reduction())
+        return router_record(name, slot, value, 3, recorded_reduction(setup.world))
 
-    mtp = [MtpRecord(layer_number=0, num_layers=1, loss=1.0, correct=2.0, total=3.0)]
+    avg = installed_mtp_loss_avg_role()
+    mtp = [MtpRecord(layer_number=0, num_layers=1, loss=1.0, correct=2.0, total=3.0, avg=avg)]
     good = StepRecords(
         moe={r: [record(n, 2, 1.0) for n in ("z_loss", LBL)] for r in (2, 3)},
         mtp={2: mtp, 3: mtp},
@@ -194,6 +293,8 @@ RARE_SETUPS = {
 
 @pytest.mark.parametrize("name", sorted(RARE_SETUPS))
 def test_rare_layouts_are_generated(name: str) -> None:
+    if name == "routing_list" and not installed_router_routing().type_lists:
+        pytest.skip("the installed megatron-core's router takes no list of routing types")
     found = find(s.setups(CI), RARE_SETUPS[name], settings=FIND)
     assert RARE_SETUPS[name](found)
 

@@ -71,12 +71,7 @@ def first_snapshots(run: WorldRun) -> dict[int, TrackerSnapshot]:
 def _router_runs(setup: Setup) -> str | None:
     """Why the installed megatron-core's ``TopKRouter`` cannot run ``setup``'s routing types
     (``None``: it can), read from its source (`installed_router_routing`)."""
-    routing, types = installed_router_routing(), setup.layout.routing_type
-    if isinstance(types, list) and not routing.type_lists:
-        return "a list of load-balancing types needs TopKRouter.get_aux_loss_coeff"
-    if "global_aux_loss" in types and not routing.global_aux_loss:
-        return "global_aux_loss needs TopKRouter._apply_global_aux_loss"
-    return None
+    return installed_router_routing().refusal(setup.layout)
 
 
 def _router_param(name: str) -> object:

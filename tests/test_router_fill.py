@@ -22,11 +22,18 @@ from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
+    installed_mtp_loss_avg_role,
+    installed_mtp_router_numbering,
     installed_router_averages_z_loss,
     installed_router_routing,
+    installed_router_skips_lone_reduce_group,
+    installed_seq_aux_loss_name,
 )
+from pipemetrics.sim.records import recorded_reduction
 from pipemetrics.sim.router_fill import (
     RouterStage,
+    mtp_loss_avg_group,
+    mtp_router_numbering,
     router_runs_global_aux_loss,
     router_takes_type_lists,
     unsupported_routing,
@@ -103,7 +110,7 @@ def test_slots_names_and_groups_for_dense_pattern_with_mtp(fresh: None) -> None:
     assert [(n, mtp) for n, mtp, _ in stage.routers] == [(2, False), (4, False), (1, True)]
     # one stage: the MTP chunk's decoder offset is 0, so 0.13-0.15 record MTP into slot 1
     mtp_slot = 1 if MTP_ROUTER_IN_DECODER_SLOT else 5
-    assert stage.moe_slots == [2, 4, mtp_slot]
+    assert stage.moe_slots == [2, 4, mtp_slot] == setup.router_slots(0)
 
     _run(stage, microbatches=2)
     entries = _entries()
@@ -119,6 +126,10 @@ def test_slots_names_and_groups_for_dense_pattern_with_mtp(fresh: None) -> None:
     # 0.13 passes tensor+context only when it has more than one rank (here it has one)
     lb_reduce = tp_cp if RELEASE >= (0, 14) or tp_cp.size() > 1 else None
     assert entries["load_balancing_loss"][1:] == (lb_reduce, None, True)
+    # the controller's model of this world says the same (a role, or None)
+    assert (recorded_reduction(setup.world)["load_balancing_loss"][0] is None) == (
+        lb_reduce is None
+    )
     z_avg = tp_dp_cp if Z_LOSS_AVG_OVER_TP_DP_CP else None
     assert entries["z_loss"][1:] == (None, z_avg, True)
 
@@ -127,9 +138,10 @@ def test_mtp_routers_on_the_first_stage_of_a_release_without_mtp_numbering(fresh
     # Two MoE MTP layers: on 0.13-0.15 both routers share the first decoder layer's slot (a
     # real megatron-core state: the trackers hold what training on that release records).
     layout = ModelLayout(num_layers=2, mtp_num_layers=2)
-    stage = RouterStage(Setup(layout=layout), 0, seed=2)
+    setup = Setup(layout=layout)
+    stage = RouterStage(setup, 0, seed=2)
     want = [1, 2, 1, 1] if MTP_ROUTER_IN_DECODER_SLOT else [1, 2, 3, 4]
-    assert stage.moe_slots == want
+    assert stage.moe_slots == want == setup.router_slots(0)
     stage.forward_microbatch(0)
     (values, *_) = _entries()["load_balancing_loss"]
     assert _nonzero_slots(values) == sorted(set(want))
@@ -169,7 +181,8 @@ def test_seq_aux_loss_name_per_release(fresh: None) -> None:
     layout = ModelLayout(num_layers=2, routing_type="seq_aux_loss")
     RouterStage(Setup(layout=layout), 0, seed=4).forward_microbatch(0)
     name = "seq_load_balancing_loss" if RELEASE >= (0, 14) else "load_balancing_loss"
-    assert list(_entries()) == [name]
+    assert list(_entries()) == [name] == layout.recorded_track_names
+    assert installed_seq_aux_loss_name() == name
     assert _nonzero_slots(_entries()[name][0]) == [1, 2]
 
 
@@ -182,6 +195,23 @@ def test_router_features_read_without_megatron_match_the_class() -> None:
     assert installed_router_averages_z_loss() == Z_LOSS_AVG_OVER_TP_DP_CP
     z_loss_avg = megatron_common._router_canonical()["z_loss"][1]
     assert (z_loss_avg is not None) == Z_LOSS_AVG_OVER_TP_DP_CP
+    # 0.13 passes the tensor+context group only when it has more than one rank
+    assert installed_router_skips_lone_reduce_group() == (RELEASE < (0, 14))
+
+
+def test_mtp_features_read_without_megatron_match_the_classes(world: None) -> None:
+    # the reachability model and the generators read the source; router mode the classes
+    assert installed_mtp_router_numbering() == mtp_router_numbering()
+    assert (installed_mtp_router_numbering() == "default_layer_number") == (
+        MTP_ROUTER_IN_DECODER_SLOT
+    )
+    role = installed_mtp_loss_avg_role()
+    assert role == ("tp_cp" if RELEASE < (0, 14) else "dp_cp")
+    group = {
+        "tp_cp": parallel_state.get_tensor_and_context_parallel_group(),
+        "dp_cp": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }[role]
+    assert mtp_loss_avg_group() is group
 
 
 def test_zero_z_loss_coeff_records_nan(fresh: None) -> None:
