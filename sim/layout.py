@@ -86,11 +86,15 @@ def installed_router_averages_z_loss() -> bool:
     (0.19+ passes ``avg_group``; 0.13-0.18 record it without groups), read from its source as
     `installed_router_routing` does. Assumed (0.19's way) when the file or method is not found.
     The reference decides the same from the imported class (``_router_canonical``)."""
-    source = _installed_source("transformer/moe/router")
-    if source is None or "def apply_z_loss(" not in source:
+    method = _definition("transformer/moe/router", "apply_z_loss", "TopKRouter")
+    if method is None:
         return True
-    method = source.split("def apply_z_loss(", 1)[1].split("\n    def ", 1)[0]
-    return "avg_group=" in method
+    return any(
+        keyword.arg == "avg_group"
+        for call in ast.walk(method)
+        if isinstance(call, ast.Call)
+        for keyword in call.keywords
+    )
 
 
 @cache
