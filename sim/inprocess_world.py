@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.entry import host_entry
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.protocol import HostReady, HostResult, Shutdown, Task
 from pipemetrics.sim.records import RankPlace, class_tracker_installed
@@ -36,7 +37,6 @@ from pipemetrics.sim.world import (
     _forkserver_directory,
     _RankProcess,
     fork_context,
-    signals_held,
 )
 
 ANSWER_MARGIN_S = 10.0
@@ -98,16 +98,13 @@ class InProcessWorld(WorldBase):
     def start(self) -> InProcessWorld:
         began = time.monotonic()
         try:
-            with signals_held():
-                from pipemetrics.sim.inprocess import host_main
-
             context = fork_context()
             _check_socket_room()
             forkserver.ensure_running()
             leftovers = [self.directory, *_forkserver_directory()]
             ours, theirs = context.Pipe(duplex=True)
             self._proc = _RankProcess(
-                target=host_main,
+                target=host_entry,
                 args=(self.spec.model_dump_json(), self.directory, theirs, os.getpid(), leftovers),
                 name="pipemetrics-inprocess-host",
                 daemon=True,

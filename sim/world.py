@@ -30,6 +30,7 @@ from typing import Any, Literal, Self
 from pydantic import Field
 
 from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.entry import rank_entry
 from pipemetrics.sim.layout import Frozen, WorldSpec
 from pipemetrics.sim.protocol import Abort, Call, CollectiveCall, Done, Go, Ready, Shutdown, Task
 from pipemetrics.sim.records import RankPlace
@@ -285,12 +286,6 @@ class World(WorldBase):
         spawned = self.start_method == "spawn"
         spec_json = self.spec.model_dump_json()
         try:
-            # The first import takes seconds (torch, megatron-core); a SIGINT at world start was
-            # twice seen to let the run go on (not reproduced here; code in those packages that
-            # catches every exception would do it): the signal is held back until it is done.
-            with signals_held():
-                from pipemetrics.sim.rank import rank_main
-
             context = multiprocessing.get_context("spawn") if spawned else fork_context()
             if not spawned:
                 _check_socket_room()
@@ -299,7 +294,7 @@ class World(WorldBase):
             for rank in range(self.spec.world_size):
                 ours, theirs = context.Pipe(duplex=True)
                 proc = (context.Process if spawned else _RankProcess)(
-                    target=rank_main,
+                    target=rank_entry,
                     args=(rank, spec_json, self.directory, theirs, os.getpid(), leftovers),
                     name=f"pipemetrics-rank{rank}",
                     daemon=True,
