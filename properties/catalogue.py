@@ -197,9 +197,11 @@ CATALOGUE: tuple[Property, ...] = (
     Property(
         "moe.rank_agreement",
         MOE,
-        "every rank returns the same dict",
-        DOC_MOE_RETURNS + " (Megatron's reduction spans every rank, so every rank holds the "
-        "same reduced values)",
+        "every rank returns the same keys, and the value of every rank that Megatron's "
+        "reduction gives the same value",
+        DOC_MOE_RETURNS + " (Megatron's reduction spans every rank for every name on 0.19, so "
+        "every rank holds the same reduced values; on 0.13-0.18 the router records z_loss "
+        "without groups, and its tensor-parallel ranks keep their own values)",
         _moe(),
         j.checked(j.moe_rank_agreement),
     ),

@@ -44,6 +44,7 @@ from pipemetrics.sim.layout import (
     Setup,
     StageSplit,
     WorldSpec,
+    installed_layout_keeps_mtp_last,
     installed_layout_takes_mtp,
     installed_router_routing,
 )
@@ -152,11 +153,14 @@ def layer_layouts(
     """A ``pipeline_model_parallel_layout`` Megatron accepts for ``pp`` ranks of ``vpp``
     chunks: any number of decoder layers per virtual stage (embedding-only first stage,
     loss-only last stage, stages without decoders), the MTP layers in the last chunk of any
-    pipeline rank (standalone when that is not the last rank) with no decoder after them."""
+    pipeline rank (standalone when that is not the last rank; the last rank only where the
+    installed megatron-core refuses standalone MTP, 0.15) with no decoder after them."""
     count = pp * vpp
     decoders = draw(st.lists(st.integers(0, max_per_stage), min_size=count, max_size=count))
     mtp_at = None
-    if mtp_num_layers:
+    if mtp_num_layers and installed_layout_keeps_mtp_last():  # 0.15: the last chunk only
+        mtp_at = count - 1
+    elif mtp_num_layers:
         mtp_at = (vpp - 1) * pp + draw(st.integers(0, pp - 1).map(lambda p: pp - 1 - p))
         decoders[mtp_at + 1 :] = [0] * (count - mtp_at - 1)
     if sum(decoders) == 0:

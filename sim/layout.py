@@ -189,6 +189,34 @@ def installed_layout_takes_mtp() -> bool:
     return True
 
 
+MTP_ON_THE_LAST_STAGE = "MTP layers must be in the last stage together with Loss stage."
+"""The message of the rule megatron-core 0.15's ``validate_layer_layout`` enforces
+(`installed_layout_keeps_mtp_last`)."""
+
+
+def installed_layout_keeps_mtp_last() -> bool:
+    """Whether the installed megatron-core's ``PipelineParallelLayerLayout.validate_layer_layout``
+    refuses MTP layers outside the last pipeline stage (`MTP_ON_THE_LAST_STAGE`): 0.15 asserts it;
+    0.14 has the same assert written as ``assert (condition, ), message``, a tuple, which is
+    always true, so 0.14 accepts them, as 0.16+ do (``mtp_standalone``). Read from the source:
+    an ``assert`` with that message whose test is not a tuple. False when the file or the method
+    is not found."""
+    method = _definition(
+        "transformer/pipeline_parallel_layer_layout",
+        "validate_layer_layout",
+        "PipelineParallelLayerLayout",
+    )
+    if method is None:
+        return False
+    return any(
+        isinstance(node, ast.Assert)
+        and isinstance(node.msg, ast.Constant)
+        and node.msg.value == MTP_ON_THE_LAST_STAGE
+        and not isinstance(node.test, ast.Tuple)
+        for node in ast.walk(method)
+    )
+
+
 class Frozen(BaseModel):
     """Base for the immutable, strictly-validated models of this package.
 

@@ -124,6 +124,13 @@ class PipelineLayout:
                         "All of the MTP layers must be in the same one virtual pipeline stage",
                     )
                 )
+        from pipemetrics.sim.layout import MTP_ON_THE_LAST_STAGE, installed_layout_keeps_mtp_last
+
+        if installed_layout_keeps_mtp_last():  # megatron-core 0.15
+            for pp_rank, row in enumerate(grid):
+                if "m" in row[-1]:
+                    on_last = pp_rank == len(grid) - 1 and "L" in row[-1]
+                    rules.append((on_last, MTP_ON_THE_LAST_STAGE))
         for chunk in grid[0][:-1]:
             rules.append(
                 (

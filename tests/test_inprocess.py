@@ -311,9 +311,10 @@ def test_check_on_the_inprocess_tier_confirms_failures_on_the_process_tier(
     tmp_path: Path, bounds: Bounds
 ) -> None:
     mutant = write_mutant("moe_empty_stage_returns_early", tmp_path / "mutants")
+    # a confirmed failure is the point, not the smallest one: shrinking gets 3 s
     code, data, output = check(
         tmp_path, "--impl", str(mutant), "--only", "moe.no_hang", "--tier", "inprocess",
-        "--max-examples", "60", "--seed", "0", bounds=bounds,
+        "--max-examples", "60", "--seed", "0", "--shrink-seconds", "3", bounds=bounds,
     )  # fmt: skip
     assert code == 1 and data is not None, output
     assert data["tier"] == "inprocess"

@@ -10,6 +10,7 @@ must give every (pipeline rank, chunk) the same global decoder layers and the sa
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Iterator
 from itertools import product
@@ -18,10 +19,12 @@ from typing import Any
 import pytest
 
 from pipemetrics.sim.layout import (
+    MTP_ON_THE_LAST_STAGE,
     LayoutSplit,
     ModelLayout,
     Setup,
     WorldSpec,
+    installed_layout_keeps_mtp_last,
     installed_layout_takes_mtp,
     installed_mtp_router_numbering,
 )
@@ -62,6 +65,8 @@ def megatron_outcome(cls: Any, parallel_state: Any, text: str, pp: int, n: int, 
         standalone = layout.validate_layer_layout(n, m)
     except AssertionError as exc:
         return ("refused", str(exc))
+    if standalone is None and installed_layout_keeps_mtp_last():
+        standalone = False  # 0.15 returns nothing: every layout it accepts keeps MTP last
     vpp = layout.virtual_pipeline_model_parallel_size
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
     chunks = [
@@ -196,3 +201,25 @@ def test_layout_mtp_support_read_without_megatron_matches_the_class() -> None:
 
     takes = inspect.signature(PipelineParallelLayerLayout.validate_layer_layout).parameters
     assert installed_layout_takes_mtp() == ("mtp_num_layers" in takes)
+
+
+def test_mtp_outside_the_last_stage_read_without_megatron_matches_the_class() -> None:
+    """`installed_layout_keeps_mtp_last` (read from the source) says what the class does with
+    a standalone MTP stage: 0.15 refuses it, 0.14 (whose assert is a tuple) and 0.16+ accept it;
+    0.13 refuses MTP in any layout (`installed_layout_takes_mtp`)."""
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    if not installed_layout_takes_mtp():
+        pytest.skip("the installed megatron-core refuses MTP layers in any layout (0.13)")
+    try:
+        PipelineParallelLayerLayout("Et|tm|L", 3).validate_layer_layout(2, 1)
+        refused = None
+    except AssertionError as exc:
+        refused = str(exc)
+    assert installed_layout_keeps_mtp_last() == (refused == MTP_ON_THE_LAST_STAGE), refused
+    assert refused in (None, MTP_ON_THE_LAST_STAGE)
+    ours = pytest.raises(LayoutError, match=MTP_ON_THE_LAST_STAGE) if refused else None
+    with ours or contextlib.nullcontext():
+        PipelineLayout("Et|tm|L", 3, 2, 1)

@@ -50,8 +50,9 @@ MORE_EXAMPLES: dict[str, int] = {
     # of the dev profile's moe.values examples, fewer among the first (small) ones; found at
     # example 129 of 800 with --seed 0 (and not within 300 since the bench's hang module).
     "moe_mtp_slots_only_on_last_stage": 800,
-    # two steps into one total_loss_dict; a first step that records nothing and a later one
-    # that does, with track_names None: found at examples 68-112 of 400, missed within 80 once.
+    # a first step that records nothing and a later one that does, with track_names None:
+    # moe.reset found at example 18 under megatron-core 0.14.0; (with moe.total_loss_dict, no
+    # longer listed) found at examples 68-112 of 400 under 0.19, missed within 80 once.
     "moe_plan_cached_after_first_call": 400,
     "moe_total_loss_overwritten": 400,
     # get_mtp_metrics before get_moe_metrics in a step, with a live MoE name: passed 80 examples

@@ -165,10 +165,12 @@ _MUTANTS: list[Mutant] = [
             "same names; when the first call follows a forward-only step (nothing recorded, "
             "e.g. an evaluation pass) and the names appear from the second step on, they are "
             "dropped from every later result. Scenario: two steps, the first records nothing, "
-            "track_names=None."
+            "track_names=None. moe.total_loss_dict fails in the same scenario (not listed: one "
+            "search is enough, moe_total_loss_overwritten proves that property, and its search "
+            "for this mutant is the longer one: 443 examples under megatron-core 0.14.0)."
         ),
         edits=(("        and kept.local == _steady_key(payload)\n", ""),),
-        fails=("moe.reset", "moe.total_loss_dict"),
+        fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_verdict=None,
         caught_by_classes=("multi_step",),
