@@ -146,6 +146,18 @@ def installed_router_skips_lone_reduce_group() -> bool:
     return source is not None and "self.tp_cp_group.size() > 1" in source
 
 
+def installed_tracker_keeps_dp_flag() -> bool:
+    """Whether the installed MoE tracker keeps a per-entry data-parallel setting: 0.18+'s
+    ``MetricEntry.needs_dp_avg`` (``moe_logging``), 0.16/0.17's ``reduce_group_has_dp`` of
+    ``save_to_aux_losses_tracker``. 0.13-0.15 have none and average every entry over data (x
+    context) alike, so the router's ``needs_dp_avg=False`` (``global_load_balancing_loss``, 0.15)
+    is not kept. Read from the source; kept when the files are not found."""
+    if _installed_source("transformer/moe/moe_logging") is not None:
+        return True
+    saver = _parameters("transformer/moe/moe_utils", "save_to_aux_losses_tracker")
+    return saver is None or "reduce_group_has_dp" in saver
+
+
 def installed_mtp_router_numbering() -> MtpNumbering:
     """`MtpNumbering` of the installed megatron-core, read from its source: the same features
     `pipemetrics.sim.router_fill.mtp_router_numbering` detects on the classes inside a rank

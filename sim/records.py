@@ -18,6 +18,7 @@ from pipemetrics.sim.layout import (
     WorldSpec,
     installed_router_averages_z_loss,
     installed_router_skips_lone_reduce_group,
+    installed_tracker_keeps_dp_flag,
 )
 
 Ranks = tuple[int, ...]
@@ -164,8 +165,11 @@ def recorded_reduction(world: WorldSpec) -> dict[str, Reduction]:
     """`router_reduction` as the installed router records it in ``world``: where it passes its
     tensor+context group as a load-balancing loss's reduce group only when that group has more
     than one rank (0.13, `installed_router_skips_lone_reduce_group`) and ``tp * cp == 1``,
-    those names have no reduce group."""
+    those names have no reduce group; where the tracker keeps no per-entry data-parallel
+    setting (0.13-0.15, `installed_tracker_keeps_dp_flag`), every name is averaged over dp."""
     table = router_reduction()
+    if not installed_tracker_keeps_dp_flag():  # 0.13-0.15: every entry is averaged over dp
+        table = {name: (reduce, avg, True) for name, (reduce, avg, _) in table.items()}
     if world.tp * world.cp > 1 or not installed_router_skips_lone_reduce_group():
         return table
     return {

@@ -28,6 +28,7 @@ from pipemetrics.sim.layout import (
     installed_router_routing,
     installed_router_skips_lone_reduce_group,
     installed_seq_aux_loss_name,
+    installed_tracker_keeps_dp_flag,
 )
 from pipemetrics.sim.records import recorded_reduction
 from pipemetrics.sim.router_fill import (
@@ -40,6 +41,8 @@ from pipemetrics.sim.router_fill import (
 )
 from pipemetrics.sim.trackers import (
     cpu_current_device,
+    legacy_has_dp_flag,
+    legacy_tracker,
     moe_tracker_entries,
     mtp_counts_acceptance,
     reset_trackers,
@@ -197,6 +200,9 @@ def test_router_features_read_without_megatron_match_the_class() -> None:
     assert (z_loss_avg is not None) == Z_LOSS_AVG_OVER_TP_DP_CP
     # 0.13 passes the tensor+context group only when it has more than one rank
     assert installed_router_skips_lone_reduce_group() == (RELEASE < (0, 14))
+    # a per-entry data-parallel setting: 0.16/0.17's reduce_group_has_dp, 0.18+'s MetricEntry
+    assert installed_tracker_keeps_dp_flag() == (not legacy_tracker() or legacy_has_dp_flag())
+    assert installed_tracker_keeps_dp_flag() == (RELEASE >= (0, 16))
 
 
 def test_mtp_features_read_without_megatron_match_the_classes(world: None) -> None:
