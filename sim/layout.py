@@ -206,6 +206,7 @@ MTP_ON_THE_LAST_STAGE = "MTP layers must be in the last stage together with Loss
 (`installed_layout_keeps_mtp_last`)."""
 
 
+@cache  # read once per process: every layout's validation asks
 def installed_layout_keeps_mtp_last() -> bool:
     """Whether the installed megatron-core's ``PipelineParallelLayerLayout.validate_layer_layout``
     refuses MTP layers outside the last pipeline stage (`MTP_ON_THE_LAST_STAGE`): 0.15 asserts it;

@@ -116,19 +116,19 @@ class PipelineLayout:
                         "Currently we restrict that the MTP should be always in the last ",
                     )
                 )
-        for row in grid:
+        from pipemetrics.sim.layout import MTP_ON_THE_LAST_STAGE, installed_layout_keeps_mtp_last
+
+        keeps_last = installed_layout_keeps_mtp_last()  # megatron-core 0.15, with its message
+        same = "same stage" if keeps_last else "same one virtual pipeline stage"
+        for pp_rank, row in enumerate(grid):
             if "m" in row[-1]:
                 rules.append(
                     (
                         row[-1].count("m") == mtp_num_layers,
-                        "All of the MTP layers must be in the same one virtual pipeline stage",
+                        f"All of the MTP layers must be in the {same}",
                     )
                 )
-        from pipemetrics.sim.layout import MTP_ON_THE_LAST_STAGE, installed_layout_keeps_mtp_last
-
-        if installed_layout_keeps_mtp_last():  # megatron-core 0.15
-            for pp_rank, row in enumerate(grid):
-                if "m" in row[-1]:
+                if keeps_last:
                     on_last = pp_rank == len(grid) - 1 and "L" in row[-1]
                     rules.append((on_last, MTP_ON_THE_LAST_STAGE))
         for chunk in grid[0][:-1]:

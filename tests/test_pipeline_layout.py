@@ -30,6 +30,12 @@ from pipemetrics.sim.layout import (
 )
 from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 
+NEEDS_STANDALONE_MTP = pytest.mark.skipif(
+    installed_layout_keeps_mtp_last(),
+    reason="builds a standalone MTP stage ('Et|tm|L'), which the installed megatron-core's "
+    "PipelineParallelLayerLayout refuses (0.15: MTP layers must be in the last stage)",
+)
+
 STAGE_CONTENTS = ("", "E", "t", "tt", "m", "L", "Et", "tm", "tL", "mL", "Etm", "mt", "LE", "EtL")
 """Stage contents: valid pieces and out-of-order ones (``mt``, ``LE``)."""
 MAX_STAGES = 4
@@ -106,7 +112,8 @@ def test_every_small_layout_agrees_with_megatron(megatron_layout: Any) -> None:
             assert our_outcome(text, pp, n, m) == theirs, (text, pp, n, m)
             checked += 1
             accepted += theirs[0] == "accepted"
-    assert checked > 200_000 and accepted > 400, (checked, accepted)
+    # not vacuous: 0.15, which refuses standalone MTP stages, accepts 385 of them
+    assert checked > 200_000 and accepted > 300, (checked, accepted)
 
 
 @pytest.mark.parametrize(
@@ -159,6 +166,7 @@ def test_virtual_stages_give_each_rank_non_contiguous_chunks() -> None:
     assert setup.mtp_stage == 1 and setup.records_mtp_loss(1)
 
 
+@NEEDS_STANDALONE_MTP
 def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() -> None:
     setup = Setup(
         world=WorldSpec(pp=3),
@@ -173,6 +181,7 @@ def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() 
     assert not setup.records_moe(2)  # the loss-only stage holds no router
 
 
+@NEEDS_STANDALONE_MTP
 def test_mtp_chunk_layer_offset_counts_the_decoders_of_every_earlier_chunk() -> None:
     # megatron-core 0.13-0.15 number an MTP layer's router 1 + this offset.
     assert Setup(layout=ModelLayout(num_layers=3, mtp_num_layers=1)).mtp_chunk_layer_offset == 0

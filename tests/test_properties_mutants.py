@@ -15,7 +15,7 @@ import pytest
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.layout import installed_layout_takes_mtp
+from pipemetrics.sim.layout import installed_layout_keeps_mtp_last, installed_layout_takes_mtp
 from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
@@ -77,6 +77,8 @@ def _mutant_param(name: str) -> Any:
         return pytest.param(name, marks=pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
     if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_layout_takes_mtp():
         return pytest.param(name, marks=pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
+    if name in NEEDS_STANDALONE_MTP and installed_layout_keeps_mtp_last():
+        return pytest.param(name, marks=pytest.mark.skip(reason=NO_STANDALONE_MTP))
     return name
 
 
@@ -89,6 +91,14 @@ NEEDS_MTP_IN_FLEXIBLE_LAYOUT = frozenset(
 NO_MTP_IN_FLEXIBLE_LAYOUT = (
     "needs MTP layers in a flexible or virtual pipeline layout; the installed megatron-core's "
     "PipelineParallelLayerLayout.validate_layer_layout takes no mtp_num_layers (refuses them)"
+)
+#: Mutants whose bug shows only with the MTP layers on a stage that is not the last
+#: (``mtp_standalone``), which megatron-core 0.15's layout refuses (0.14's assert is a tuple).
+NEEDS_STANDALONE_MTP = frozenset({"moe_mtp_slots_only_on_last_stage"})
+NO_STANDALONE_MTP = (
+    "needs the MTP layers on a stage that is not the last; the installed megatron-core's "
+    "PipelineParallelLayerLayout.validate_layer_layout refuses that (MTP layers must be in "
+    "the last stage together with Loss stage)"
 )
 
 
