@@ -45,6 +45,9 @@ class PropertyResult:
     function: str
     status: Status
     examples: int = 0
+    found_at: int | None = None
+    """A failure: the example (1-based, in generation order) at which it first appeared, before
+    shrinking; None for anything but a failure."""
     seconds: float = 0.0
     counterexample: dict[str, Any] | None = None
     replay: str | None = None
@@ -72,6 +75,7 @@ class PropertyResult:
             "function": self.function,
             "status": "absent" if self.status == "skipped" else self.status,
             "examples": self.examples,
+            "found_at": self.found_at,
             "seconds": round(self.seconds, 3),
             "counterexample": self.counterexample_json(),
             "replay": self.replay,
@@ -126,6 +130,7 @@ def failure_picture(scenario: Scenario, run: WorldRun) -> str:
 @dataclass
 class _State:
     examples: int = 0
+    found_at: int | None = None
     failure: _Failure | None = None
     seen: list[Scenario] = field(default_factory=list)
 
@@ -151,6 +156,36 @@ def shrink_budget(seconds: float) -> Any:
             engine.MAX_SHRINKING_SECONDS = original
 
 
+@contextmanager
+def draws_independent_of_local_code() -> Any:
+    """Make a seeded run draw the same examples wherever it runs.
+
+    Hypothesis also draws (5% of numeric and text choices) from the literals of the *local*
+    modules imported so far, that is, every module outside site-packages and the standard
+    library: the target under test, the adopter's test files, and pipemetrics itself when it is
+    installed editable. The same ``--seed`` then draws different examples in a wheel install and
+    in a checkout, after an edit to the target, or after a module of either gained a constant.
+    Draws here come only from the strategies and Hypothesis's own constants."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - Hypothesis reorganised its internals
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if original is None or cache is None or not hasattr(providers, "Constants"):
+        yield  # a Hypothesis without local constants: its draws already are independent
+        return
+    empty = providers.Constants()
+    providers._get_local_constants = lambda: empty
+    cache.cache.clear()  # filtered constants already cached would still hold local ones
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        cache.cache.clear()
+
+
 def _example_runner(
     prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
@@ -166,6 +201,8 @@ def _example_runner(
             raise HarnessFault(f"could not start a world: {exc}") from exc
         problems = prop.judge(scenario, run)
         if problems:
+            if state.found_at is None:
+                state.found_at = state.examples
             if state.failure is None and options.progress is not None:
                 options.progress(
                     f"failed at example {state.examples}; shrinking "
@@ -224,7 +261,11 @@ def run_property(
     flaky = False
     said: list[str] = []
     try:
-        with shrink_budget(profile.shrink_budget_s), with_reporter(lambda x: said.append(str(x))):
+        with (
+            shrink_budget(profile.shrink_budget_s),
+            draws_independent_of_local_code(),
+            with_reporter(lambda x: said.append(str(x))),
+        ):
             test()
     except HarnessFault as exc:
         result.status, result.message = "error", f"pipemetrics fault: {exc}"
@@ -241,6 +282,7 @@ def run_property(
     if result.status == "pass" and state.failure is not None:
         failure = state.failure
         result.status = "fail"
+        result.found_at = state.found_at
         result.message = _failure_message(failure, flaky)
         result.details = failure.details
         if any("working to shrink" in line for line in said):

@@ -2,8 +2,9 @@
 a Markdown summary (for a CI job summary).
 
 JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id", "function",
-"status", "examples", "seconds", "counterexample", "replay", "message", "confirmed"}]}`` plus
-the additional top-level key ``"coverage"``. ``confirmed`` is true for a failure that
+"status", "examples", "found_at", "seconds", "counterexample", "replay", "message", "confirmed",
+"cites"}]}`` plus the additional top-level key ``"coverage"``. ``found_at`` is the example at
+which a failure first appeared, before shrinking (null otherwise). ``confirmed`` is true for a failure that
 reproduced on the process tier (every reported failure; a failure of the in-process tier that
 did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
 key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.picture`.

@@ -163,8 +163,8 @@ def failed_result() -> PropertyResult:
 def test_json_counterexample_carries_the_picture_and_the_contract_holds() -> None:
     entry = failed_result().as_json()
     assert set(entry) == {
-        "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
-        "confirmed", "cites",
+        "id", "function", "status", "examples", "found_at", "seconds", "counterexample", "replay",
+        "message", "confirmed", "cites",
     }  # fmt: skip
     assert "stage 1 |" in entry["counterexample"]["picture"]
     assert entry["counterexample"]["setup"]["world"]["pp"] == 2

@@ -25,8 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
 CONTRACT_KEYS = {"target", "profile", "tier", "conformant", "properties"}
 ENTRY_KEYS = {
-    "id", "function", "status", "examples", "seconds", "counterexample", "replay", "message",
-    "confirmed", "cites",
+    "id", "function", "status", "examples", "found_at", "seconds", "counterexample", "replay",
+    "message", "confirmed", "cites",
 }  # fmt: skip
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.value_error"]
 

@@ -448,13 +448,18 @@ LOSS_SCALE_FORMS: dict[str, Any] = {
 }
 
 
+def _number(scale: Any) -> float:
+    """The number a loss_scale form holds (a tensor that requires grad detached first)."""
+    return float(scale.detach() if isinstance(scale, torch.Tensor) else scale)
+
+
 @pytest.mark.parametrize("form", sorted(LOSS_SCALE_FORMS))
 @pytest.mark.parametrize("value", LOSS_SCALE_VALUES)
 def test_moe_metrics_loss_scale_forms(form: str, value: float) -> None:
     make = LOSS_SCALE_FORMS[form]
     if form == "int" and value != int(value):
         pytest.skip("not an integer")
-    received = float(make(value))
+    received = _number(make(value))
     totals: dict[str, Any] = {}
     for _ in range(2):
         _record(AUX, 2.0, 1, 2)
@@ -470,7 +475,7 @@ def test_moe_metrics_loss_scale_forms(form: str, value: float) -> None:
 @pytest.mark.parametrize("form", sorted(LOSS_SCALE_FORMS))
 def test_mtp_metrics_loss_scale_forms(form: str) -> None:
     scale = LOSS_SCALE_FORMS[form](2.0 if form == "int" else -1.0 / 3.0)
-    received = float(scale)
+    received = _number(scale)
     set_mtp_tracker([3.0], [1.0], [2.0])
     out = get_mtp_metrics(scale)
     want = {"mtp_1_loss": pytest.approx(3.0 * received, rel=1e-6), "mtp_1_acceptance_rate": 50.0}
