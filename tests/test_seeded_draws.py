@@ -31,7 +31,7 @@ UPPER = 2**40
 def draws(seed: int) -> list[int]:
     seen: list[int] = []
 
-    @settings(max_examples=200, database=None, phases=[Phase.generate])
+    @settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate])
     @hypothesis_seed(seed)
     @given(st.integers(0, UPPER))
     def collect(value: int) -> None:
