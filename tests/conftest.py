@@ -48,23 +48,46 @@ def world_dirs() -> set[str]:
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "pipemetrics-world-*")))
 
 
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat's 22nd field); None
+    when there is no such process or it is a zombie. A pid and its start time name one process:
+    pids are reused (pid_max is 32,768 here, and a long module starts thousands)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()  # the command name may hold spaces
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 class TrackingPool(WorldPool):
-    """A pool that remembers every pid and directory it ever started, for leak checks."""
+    """A pool that remembers every process (pid and start time) and directory it ever started,
+    for leak checks."""
 
     def __init__(self, tier: Tier = "process") -> None:
         super().__init__(tier=tier)
-        self.all_pids: set[int] = set()
+        self.all_pids: set[tuple[int, int | None]] = set()
         self.all_dirs: set[str] = set()
 
     def world(self, spec):  # type: ignore[no-untyped-def]
         world = super().world(spec)
-        self.all_pids.update(world.pids)
+        self.all_pids.update((pid, process_start(pid)) for pid in world.pids)
         self.all_dirs.add(world.directory)
         return world
 
 
-def assert_nothing_left(pids: set[int], dirs: set[str]) -> None:
-    alive = sorted(p for p in pids if pid_alive(p))
+def _survives(process: int | tuple[int, int | None]) -> bool:
+    if isinstance(process, tuple):
+        pid, began = process
+        return began is not None and process_start(pid) == began
+    return pid_alive(process)
+
+
+def assert_nothing_left(pids: set[int] | set[tuple[int, int | None]], dirs: set[str]) -> None:
+    """No process of ``pids`` (pids, or pids with start times: then a reused pid is another
+    process, not a survivor) is alive and no directory of ``dirs`` exists."""
+    alive = sorted(p[0] if isinstance(p, tuple) else p for p in pids if _survives(p))
     assert not alive, f"rank processes survived: {alive}"
     remaining = sorted(d for d in dirs if os.path.exists(d))
     assert not remaining, f"world directories survived: {remaining}"

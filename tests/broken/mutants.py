@@ -198,7 +198,7 @@ _MUTANTS: list[Mutant] = [
         name="moe_dp_avg_over_expert_data_group",
         description=(
             "get_moe_metrics hands Megatron's reduction a ProcessGroupCollection whose "
-            "data-parallel group (dp_cp_gtp_remat, what _sync_metrics averages over) is the "
+            "data-parallel group (what _sync_metrics averages over: dp on 0.18, dp_cp_gtp_remat on 0.19) is the "
             "expert data-parallel group ('the data-parallel replicas of the experts'). Without "
             "expert parallelism that group spans the stage's data x context ranks, and the "
             "average comes out the same (context-parallel peers already agree after the "
@@ -211,10 +211,10 @@ _MUTANTS: list[Mutant] = [
                 "        _sync(tracker, sorted(lengths))\n",
                 "        from megatron.core.process_groups_config import ProcessGroupCollection\n"
                 "\n"
-                "        groups = ProcessGroupCollection(\n"
-                "            pp=parallel_state.get_pipeline_model_parallel_group(),\n"
-                "            dp_cp_gtp_remat=parallel_state.get_expert_data_parallel_group(),\n"
-                "        )\n"
+                "        groups = ProcessGroupCollection(pp=parallel_state.get_pipeline_model_parallel_group())\n"
+                "        expert_dp = parallel_state.get_expert_data_parallel_group()\n"
+                "        groups.dp = expert_dp  # what 0.18's _sync_metrics averages over\n"
+                "        groups.dp_cp_gtp_remat = expert_dp  # 0.19's\n"
                 "        tracker._sync_metrics(sorted(lengths), groups)\n",
             ),
         ),
