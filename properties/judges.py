@@ -120,6 +120,44 @@ def _is_per_layer(key: str) -> bool:
     return key.startswith(PER_LAYER_PREFIX)
 
 
+def _held_zero_names(view: CallView) -> set[str]:
+    """Names some rank's tracker holds before the call only as an all-zero entry without the
+    router's groups (`oracle.is_placeholder`), which no rank recorded: what
+    ``ensure_initialized`` creates, and what a previous call's ``clear()`` leaves of a name the
+    router records without groups (``z_loss`` on 0.13-0.18). Megatron keeps such entries, and
+    its own ``report()`` names them with ``track_names=None``."""
+    if not isinstance(view.spec, MoeCall):
+        return set()
+    snapshots = {rank: report.snapshot for rank, report in view.reports.items()}
+    live = set(oracle.live_names(snapshots, view.spec))
+    return {
+        name
+        for snapshot in snapshots.values()
+        for name, entry in snapshot.moe.items()
+        if name not in live and oracle.is_placeholder(entry)
+    }
+
+
+def _reported(scenario: Scenario, view: CallView, value: Any, expected: dict[str, Any]) -> Any:
+    """A ``get_moe_metrics`` result as the judges compare it. The document says "for each aux
+    loss name, the mean value is returned", not which names a tracker's zero entries count as:
+    outside the strict profile a key of a `_held_zero_names` name (its mean or a per-layer
+    value) may be reported, as 0.0, or left out. The strict profile holds the reference's
+    guarantee: only live names. A key the oracle expects is always compared."""
+    held = _held_zero_names(view) if scenario.profile != "strict" else set()
+    if not held or not isinstance(value, dict):
+        return value
+    tolerated = {
+        key
+        for key, number in value.items()
+        if isinstance(key, str)
+        and key not in expected
+        and oracle.as_number(number) == 0.0
+        and any(key == name or key.startswith(f"{PER_LAYER_PREFIX}{name}_layer_") for name in held)
+    }
+    return {key: number for key, number in value.items() if key not in tolerated}
+
+
 def _per_rank(
     scenario: Scenario,
     run: WorldRun,
@@ -130,7 +168,8 @@ def _per_rank(
     problems = []
     for view, expected in _views(scenario, run, kind):
         for rank, report in sorted(view.reports.items()):
-            for line in check(view, rank, expected.get(rank, {}), report.value):
+            want = expected.get(rank, {})
+            for line in check(view, rank, want, _reported(scenario, view, report.value, want)):
                 problems.append(f"{_where(view, rank)}: {line}")
     return problems
 
@@ -262,7 +301,10 @@ def moe_rank_agreement(scenario: Scenario, run: WorldRun) -> list[str]:
     leaves them, so they are compared only with ranks the oracle gives the same value."""
     problems = []
     for view, expected in _views(scenario, run, MoeCall):
-        values = {r: rep.value for r, rep in sorted(view.reports.items())}
+        values = {
+            r: _reported(scenario, view, rep.value, expected.get(r, {}))
+            for r, rep in sorted(view.reports.items())
+        }
         if not values:
             continue
         first_rank, first = next(iter(values.items()))
@@ -319,6 +361,7 @@ def moe_total_loss_dict(scenario: Scenario, run: WorldRun) -> list[str]:
             if got is None:
                 problems.append(f"{_where(view, rank)}: no total_loss_dict was reported")
                 continue
+            got = _reported(scenario, view, got, want)
             for line in _keyed(want, got, lambda k: True, "total_loss_dict"):
                 problems.append(f"{_where(view, rank)}: total_loss_dict {line}")
     return problems
