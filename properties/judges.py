@@ -120,13 +120,14 @@ def _is_per_layer(key: str) -> bool:
     return key.startswith(PER_LAYER_PREFIX)
 
 
-def _held_zero_names(view: CallView) -> set[str]:
-    """Names some rank's tracker holds before the call only as an all-zero entry without the
-    router's groups (`oracle.is_placeholder`), which no rank recorded: what
-    ``ensure_initialized`` creates, and what a previous call's ``clear()`` leaves of a name the
-    router records without groups (``z_loss`` on 0.13-0.18). Megatron keeps such entries, and
-    its own ``report()`` names them with ``track_names=None``."""
-    if not isinstance(view.spec, MoeCall):
+def _held_zero_names(scenario: Scenario, view: CallView) -> set[str]:
+    """Outside the strict profile: names some rank's tracker holds before the call only as an
+    all-zero entry without the router's groups (`oracle.is_placeholder`), which no rank
+    recorded: what ``ensure_initialized`` creates, and what a previous call's ``clear()`` leaves
+    of a name the router records without groups (``z_loss`` on 0.13-0.18). Megatron keeps such
+    entries, and its own ``report()`` names them with ``track_names=None``. Empty under strict,
+    which holds the reference's guarantee: only live names."""
+    if scenario.profile == "strict" or not isinstance(view.spec, MoeCall):
         return set()
     snapshots = {rank: report.snapshot for rank, report in view.reports.items()}
     live = set(oracle.live_names(snapshots, view.spec))
@@ -138,13 +139,12 @@ def _held_zero_names(view: CallView) -> set[str]:
     }
 
 
-def _reported(scenario: Scenario, view: CallView, value: Any, expected: dict[str, Any]) -> Any:
-    """A ``get_moe_metrics`` result as the judges compare it. The document says "for each aux
-    loss name, the mean value is returned", not which names a tracker's zero entries count as:
-    outside the strict profile a key of a `_held_zero_names` name (its mean or a per-layer
-    value) may be reported, as 0.0, or left out. The strict profile holds the reference's
-    guarantee: only live names. A key the oracle expects is always compared."""
-    held = _held_zero_names(view) if scenario.profile != "strict" else set()
+def _reported(value: Any, expected: dict[str, Any], held: set[str]) -> Any:
+    """A ``get_moe_metrics`` result (or ``total_loss_dict``) as the judges compare it. The
+    document says "for each aux loss name, the mean value is returned", not which names a
+    tracker's zero entries count as: a key of a ``held`` name (`_held_zero_names`: its mean or a
+    per-layer value) may be reported, as 0.0, or left out. A key the oracle expects is always
+    compared."""
     if not held or not isinstance(value, dict):
         return value
     tolerated = {
@@ -167,9 +167,10 @@ def _per_rank(
     """``check(view, rank, expected, actual)`` over every call of ``kind`` and every rank."""
     problems = []
     for view, expected in _views(scenario, run, kind):
+        held = _held_zero_names(scenario, view)
         for rank, report in sorted(view.reports.items()):
             want = expected.get(rank, {})
-            for line in check(view, rank, want, _reported(scenario, view, report.value, want)):
+            for line in check(view, rank, want, _reported(report.value, want, held)):
                 problems.append(f"{_where(view, rank)}: {line}")
     return problems
 
@@ -301,8 +302,9 @@ def moe_rank_agreement(scenario: Scenario, run: WorldRun) -> list[str]:
     leaves them, so they are compared only with ranks the oracle gives the same value."""
     problems = []
     for view, expected in _views(scenario, run, MoeCall):
+        held = _held_zero_names(scenario, view)
         values = {
-            r: _reported(scenario, view, rep.value, expected.get(r, {}))
+            r: _reported(rep.value, expected.get(r, {}), held)
             for r, rep in sorted(view.reports.items())
         }
         if not values:
@@ -355,13 +357,14 @@ def moe_total_loss_dict(scenario: Scenario, run: WorldRun) -> list[str]:
     for view, expected in _views(scenario, run, MoeCall):
         history.append(expected)
         totals = oracle.expected_total_loss_dict(history)
+        held = _held_zero_names(scenario, view)
         for rank, report in sorted(view.reports.items()):
             want = totals.get(rank, {})
             got = report.total_loss_dict
             if got is None:
                 problems.append(f"{_where(view, rank)}: no total_loss_dict was reported")
                 continue
-            got = _reported(scenario, view, got, want)
+            got = _reported(got, want, held)
             for line in _keyed(want, got, lambda k: True, "total_loss_dict"):
                 problems.append(f"{_where(view, rank)}: total_loss_dict {line}")
     return problems
