@@ -33,15 +33,9 @@ from pipemetrics.sim.pool import Tier, WorldPool
 
 
 def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie child counts as gone once reaped
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().split()[2] != "Z"
-    except OSError:
-        return False
+    """Whether a process ``pid`` runs (a zombie counts as gone); any process with that pid,
+    see `process_start` to name one process."""
+    return process_start(pid) is not None
 
 
 def world_dirs() -> set[str]:
