@@ -135,10 +135,9 @@ def leftovers_in(tmp: Path) -> tuple[list[str], list[int]]:
             continue
         try:
             environ = (proc / "environ").read_bytes()
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
+        except OSError:
             continue
-        if marker in environ.split(b"\0") and state != "Z":
+        if marker in environ.split(b"\0") and pid_alive(int(proc.name)):
             pids.append(int(proc.name))
     return dirs, pids
 
