@@ -32,8 +32,9 @@ from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_l
 
 NEEDS_STANDALONE_MTP = pytest.mark.skipif(
     installed_layout_keeps_mtp_last(),
-    reason="builds a standalone MTP stage ('Et|tm|L'), which the installed megatron-core's "
-    "PipelineParallelLayerLayout refuses (0.15: MTP layers must be in the last stage)",
+    reason="needs a standalone MTP stage (MTP layers on a stage that is not the last, 'Et|tm|L'), "
+    "which the installed megatron-core's PipelineParallelLayerLayout refuses (0.15: MTP layers "
+    "must be in the last stage)",
 )
 
 STAGE_CONTENTS = ("", "E", "t", "tt", "m", "L", "Et", "tm", "tL", "mL", "Etm", "mt", "LE", "EtL")

@@ -16,17 +16,14 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.layout import (
-    installed_layout_keeps_mtp_last,
-    installed_layout_takes_mtp,
-    installed_mtp_router_numbering,
-)
+from pipemetrics.sim.layout import installed_layout_takes_mtp, installed_mtp_router_numbering
 from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
 from .broken.test_mutants_apply import NEEDS_TO_RUN, NEEDS_TO_SHOW
 from .conftest import Bounds
+from .test_pipeline_layout import NEEDS_STANDALONE_MTP as STANDALONE_MTP_REFUSED
 from .test_properties_runner import check
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
@@ -98,8 +95,8 @@ def _mutant_param(name: str) -> Any:
         return pytest.param(name, marks=pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
     if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_layout_takes_mtp():
         return pytest.param(name, marks=pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
-    if name in NEEDS_STANDALONE_MTP and installed_layout_keeps_mtp_last():
-        return pytest.param(name, marks=pytest.mark.skip(reason=NO_STANDALONE_MTP))
+    if name in NEEDS_STANDALONE_MTP:
+        return pytest.param(name, marks=STANDALONE_MTP_REFUSED)
     if name in NEEDS_MTP_SLOTS and installed_mtp_router_numbering() == "default_layer_number":
         return pytest.param(name, marks=pytest.mark.skip(reason=NO_MTP_SLOTS))
     return name
@@ -116,13 +113,9 @@ NO_MTP_IN_FLEXIBLE_LAYOUT = (
     "PipelineParallelLayerLayout.validate_layer_layout takes no mtp_num_layers (refuses them)"
 )
 #: Mutants whose bug shows only with the MTP layers on a stage that is not the last
-#: (``mtp_standalone``), which megatron-core 0.15's layout refuses (0.14's assert is a tuple).
+#: (``mtp_standalone``), which megatron-core 0.15's layout refuses (0.14's assert is a tuple);
+#: skipped there by test_pipeline_layout's marker.
 NEEDS_STANDALONE_MTP = frozenset({"moe_mtp_slots_only_on_last_stage"})
-NO_STANDALONE_MTP = (
-    "needs the MTP layers on a stage that is not the last; the installed megatron-core's "
-    "PipelineParallelLayerLayout.validate_layer_layout refuses that (MTP layers must be in "
-    "the last stage together with Loss stage)"
-)
 
 
 #: Mutants whose bug is in the MTP layers' own tracker slots (``num_layers + k``), which the
