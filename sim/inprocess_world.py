@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import time
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -33,10 +32,10 @@ from pipemetrics.sim.world import (
     WorldBase,
     WorldRun,
     WorldStartError,
-    _check_socket_room,
     _forkserver_directory,
     _RankProcess,
     fork_context,
+    start_forkserver,
 )
 
 ANSWER_MARGIN_S = 10.0
@@ -99,8 +98,7 @@ class InProcessWorld(WorldBase):
         began = time.monotonic()
         try:
             context = fork_context()
-            _check_socket_room()
-            forkserver.ensure_running()
+            start_forkserver()
             leftovers = [self.directory, *_forkserver_directory()]
             ours, theirs = context.Pipe(duplex=True)
             self._proc = _RankProcess(

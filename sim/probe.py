@@ -18,7 +18,6 @@ import multiprocessing.connection
 import os
 import signal
 import sys
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -58,18 +57,17 @@ def probe_target(target: str, timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> list
     """
     from pipemetrics.sim.world import (
         WorldStartError,
-        _check_socket_room,
         _forkserver_directory,
         _RankProcess,
         fork_context,
+        start_forkserver,
     )
 
     if timeout_s <= 0:
         raise TargetLoadError(f"--load-timeout must be > 0 (got {timeout_s:g})")
     context = fork_context()
     try:
-        _check_socket_room()
-        forkserver.ensure_running()
+        start_forkserver()
     except (WorldStartError, OSError) as exc:
         raise TargetLoadError(f"cannot start a process to load target {target!r}: {exc}") from exc
     ours, theirs = context.Pipe(duplex=False)

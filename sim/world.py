@@ -89,6 +89,21 @@ def _check_socket_room() -> None:
         )
 
 
+def start_forkserver() -> None:
+    """Start this process's fork server (`fork_context`'s) unless it runs.
+
+    Fails clearly when its socket would not fit under TMPDIR. SIGINT and SIGTERM are held back
+    while it is spawned: one landing between the spawn and multiprocessing's recording of its
+    pid would leave a fork server that nobody knows of, preloading torch and megatron-core
+    (seconds, many more on a loaded machine) before it notices that its parent is gone; held
+    back, the signal arrives once `stop_forkserver` can end it. Spawning does not wait for the
+    preload, so the hold is brief.
+    """
+    _check_socket_room()
+    with signals_held():
+        forkserver.ensure_running()
+
+
 def _forkserver_directory() -> list[str]:
     """multiprocessing's private directory holding the fork server's socket, if any."""
     address = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_address", None)
@@ -288,8 +303,7 @@ class World(WorldBase):
         try:
             context = multiprocessing.get_context("spawn") if spawned else fork_context()
             if not spawned:
-                _check_socket_room()
-                forkserver.ensure_running()
+                start_forkserver()
             leftovers = [self.directory, *_forkserver_directory()]
             for rank in range(self.spec.world_size):
                 ours, theirs = context.Pipe(duplex=True)

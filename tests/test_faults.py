@@ -8,6 +8,7 @@ place the test inspects; every process it starts is a descendant the test tracks
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,7 +27,15 @@ from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.target import API_FUNCTIONS
 
 from .broken.mutants import write_mutant
-from .conftest import Bounds, Lines, TrackingPool, assert_no_leftovers, pid_alive, run_bounded
+from .conftest import (
+    Bounds,
+    Lines,
+    TrackingPool,
+    assert_no_leftovers,
+    leftovers_in,
+    pid_alive,
+    run_bounded,
+)
 from .test_sim_world import MOE, RECORDS, scenario_for, write_target
 
 CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
@@ -208,6 +217,51 @@ def test_signal_to_demo_during_its_cold_world_start(short_tmp: Path, bounds: Bou
         [*CLI, "demo"], short_tmp, bounds, signal.SIGTERM, marker="pipemetrics demo: 4 gloo"
     )
     assert "world started in" not in output
+
+
+SIGNAL_AT_FORKSERVER_SPAWN = """
+import os, signal, sys
+from multiprocessing import util
+
+sys.path.insert(0, {preload_dir!r})
+import pipemetrics.sim.world as world
+
+world.PRELOAD.append("pipemetrics_slow_preload")
+spawn = util.spawnv_passfds
+
+
+def spawn_then_signal(path, args, passfds):
+    pid = spawn(path, args, passfds)
+    if any(b"forkserver" in os.fsencode(arg) for arg in args):
+        os.kill(os.getpid(), signal.SIGTERM)  # before multiprocessing records the pid
+    return pid
+
+
+util.spawnv_passfds = spawn_then_signal
+from pipemetrics.properties.cli import main
+
+sys.exit(main(["demo"]))
+"""
+
+
+def test_signal_right_after_the_fork_server_is_spawned(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds
+) -> None:
+    """The narrowest window of a cold start: the fork server is spawned, and its pid not yet
+    recorded by multiprocessing. A fork server lost there goes on preloading (here a module that
+    sleeps, standing in for torch and megatron-core on a loaded machine) and outlives the run."""
+    (tmp_path / "pipemetrics_slow_preload.py").write_text("import time\ntime.sleep(600)\n")
+    script = SIGNAL_AT_FORKSERVER_SPAWN.format(preload_dir=str(tmp_path))
+    try:
+        done = run_bounded([sys.executable, "-c", script], cwd=tmp_path,
+                           timeout=bounds(3, 60), env=private_env(short_tmp))  # fmt: skip
+        assert done.returncode == 128 + signal.SIGTERM, done.stdout[-4000:]
+        assert "interrupted by SIGTERM" in done.stdout, done.stdout[-4000:]
+        assert_no_leftovers(short_tmp, bounds(1, 10))
+    finally:
+        for pid in leftovers_in(short_tmp)[1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_signal_to_replay(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
