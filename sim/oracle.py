@@ -216,8 +216,16 @@ def stage_groups(
     name: str,
     attribute: Literal["reduce_group", "avg_group"],
 ) -> GroupOf | None:
-    """Every rank's group for the ``reduce_group``/``avg_group`` stage of a held name."""
-    held = {rank: getattr(entry, attribute) for rank, entry in holders.items()}
+    """Every rank's group for the ``reduce_group``/``avg_group`` stage of a held name.
+
+    A holder's group of itself alone counts as no group: a reduction over it changes nothing,
+    and releases differ in which of the two they record (0.13's router passes no reduce group
+    where the tensor x context group has one rank, 0.14+ pass that group).
+    """
+    held = {
+        rank: None if getattr(entry, attribute) == (rank,) else getattr(entry, attribute)
+        for rank, entry in holders.items()
+    }
     present = {rank: group for rank, group in held.items() if group is not None}
     if not present:
         return None

@@ -211,6 +211,27 @@ def test_disagreeing_needs_dp_avg_is_rejected() -> None:
         expected_moe_metrics(snaps, places, MoeCall(loss_scale=1.0))
 
 
+def test_a_group_of_the_holder_alone_is_no_group() -> None:
+    """0.13's router records no reduce group where the tensor x context group has one rank;
+    an entry created with that one-rank group agrees with it (both reduce nothing)."""
+    places = places_for(WorldSpec(pp=2))
+    snaps = {
+        0: TrackerSnapshot(moe={LBL: entry(places[0], [0.0, 0.0, 0.0])}),
+        1: TrackerSnapshot(moe={LBL: entry(places[1], [0.0, 1.0, 0.0], reduce=None)}),
+    }
+    assert places[0].groups["tp_cp"] == (0,)
+    call = MoeCall(loss_scale=1.0, num_layers=2, mtp_num_layers=1, track_names=[LBL])
+    assert means(expected_moe_metrics(snaps, places, call), LBL) == {0: 1 / 3, 1: 1 / 3}
+    # a group of more ranks than the holder is a real disagreement
+    wide = places_for(WorldSpec(pp=2, tp=2))
+    snaps = {
+        0: TrackerSnapshot(moe={LBL: entry(wide[0], [0.0, 0.0, 0.0])}),
+        2: TrackerSnapshot(moe={LBL: entry(wide[2], [0.0, 1.0, 0.0], reduce=None)}),
+    }
+    with pytest.raises(ValueError, match="holders disagree on whether there is a reduce_group"):
+        expected_moe_metrics(snaps, wide, call)
+
+
 def test_snapshot_of_unknown_rank_is_rejected() -> None:
     places = places_for(WorldSpec())
     with pytest.raises(ValueError, match="no place"):

@@ -89,17 +89,18 @@ def _mutant_param(name: str) -> Any:
     """``name``, skipped where its bug cannot show on the installed megatron-core: the
     acceptance-rate mutants without counts, and those of `NEEDS_TO_SHOW` (an API the mutant's
     code or its bug needs is missing, e.g. a per-entry data-parallel setting on 0.13-0.15)."""
+    marks: list[Any] = []
     if name in ACCEPTANCE_MUTANTS:
-        return pytest.param(name, marks=_NO_COUNTS)
+        marks.append(_NO_COUNTS)
     if name in NEEDS_TO_SHOW:
-        return pytest.param(name, marks=pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
+        marks.append(pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
     if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_layout_takes_mtp():
-        return pytest.param(name, marks=pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
+        marks.append(pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
     if name in NEEDS_STANDALONE_MTP:
-        return pytest.param(name, marks=STANDALONE_MTP_REFUSED)
+        marks.append(STANDALONE_MTP_REFUSED)  # a skipif: skips where the layout refuses it
     if name in NEEDS_MTP_SLOTS and installed_mtp_router_numbering() == "default_layer_number":
-        return pytest.param(name, marks=pytest.mark.skip(reason=NO_MTP_SLOTS))
-    return name
+        marks.append(pytest.mark.skip(reason=NO_MTP_SLOTS))
+    return pytest.param(name, marks=marks)
 
 
 #: Mutants whose bug shows only with MTP layers in a flexible or virtual pipeline layout (a
