@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "ci" / "constraints.txt"
 #: Every supported minor release, oldest first (the range is SUPPORTED_MEGATRON_CORE in the
 #: reference, ``megatron-core>=0.13,<0.20`` in pyproject.toml): the newest patch of each minor on
-#: PyPI. Push CI (``.ci/run``) runs a focused subset on the oldest; the weekly workflow runs all.
+#: PyPI. Push CI (``.ci/run``) runs the whole suite on the oldest (and the newest, the pinned
+#: default, outside nox); the weekly workflow runs all.
 MEGATRON_CORE = ["0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
 OLDEST = MEGATRON_CORE[0]
 #: nox points TMPDIR at the session's (deep) tmp dir; the worlds' unix sockets need a short one.
