@@ -119,7 +119,10 @@ def test_a_signal_redelivered_into_the_hook_itself_still_interrupts(
             time.sleep(5)
         assert caught.value.signum == signal.SIGTERM
     assert guard.received == signal.SIGTERM
-    assert len(deliveries) == 2  # the hook's, then the handler's once it saw it ran in the hook
+    # the hook's, then the handler's each time it found itself in the hook: once, or more when
+    # a loaded machine keeps the hook running past the 10 ms redelivery
+    assert len(deliveries) >= 2
+    assert set(deliveries) == {signal.SIGTERM}
 
 
 def test_an_inherited_ignored_sigint_is_handled_anyway() -> None:
