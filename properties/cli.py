@@ -123,6 +123,19 @@ def _dispatch(args: argparse.Namespace) -> int:
     return demo_main(impl=args.impl, load_timeout_s=args.load_timeout)
 
 
+def _end_forkserver() -> None:
+    """`stop_forkserver`, finished even when a signal lands inside it (the command's work may be
+    done by then): once more, where `SignalGuard` ignores every later signal, then the
+    `Interrupted` goes on up, so the command still exits with 128 + signum."""
+    from pipemetrics.sim.world import stop_forkserver
+
+    try:
+        stop_forkserver()
+    except Interrupted:
+        stop_forkserver()
+        raise
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     # Importing megatron.core creates torch.compile's cache under the temp dir unless told
     # otherwise: keep it a persistent cache instead of litter (before anything imports torch).
@@ -133,18 +146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     with SignalGuard() as guard:
         unwound = False
         try:
-            _exit_with_parent()
-            args = _parser().parse_args(argv)
-            code = _dispatch(args)
+            try:
+                _exit_with_parent()
+                args = _parser().parse_args(argv)
+                code = _dispatch(args)
+            finally:
+                _end_forkserver()
+                guard.stop_raising()  # a signal from here on is recorded, then exits as one
         except Interrupted:
             unwound = True  # every world was ended on the way up
-        finally:
-            from pipemetrics.sim.world import stop_forkserver
-
-            stop_forkserver()
         if guard.received is not None:
             name = signal.Signals(guard.received).name
-            if not unwound:  # a bug of ours or of a package we call: say where it was lost
+            if not unwound and guard.raised_at:  # a bug of ours or of a package we call
                 sys.stderr.write(
                     f"pipemetrics: internal error: the {name} was caught by the code it landed "
                     f"in and the command ran on; it landed here:\n{guard.raised_at}"

@@ -63,10 +63,19 @@ class SignalGuard:
         """Where the main thread was when `Interrupted` was raised (for a swallowed one)."""
         self._previous: dict[signal.Signals, Any] = {}
         self._previous_unraisablehook: Any = None
+        self._raising = True
+
+    def stop_raising(self) -> None:
+        """From now on a signal is only recorded in ``received``: the command's work and its
+        cleanup are done, and what is left (choosing the exit code) must not be cut short."""
+        self._raising = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             return  # cleanup of the first signal is under way: let it finish
+        if not self._raising:
+            self.received = signum
+            return
         if _runs(frame, _UNRAISABLE_CODE):
             # A redelivered signal landing inside the hook itself: raised here it would be
             # dropped too ("Exception ignored in sys.unraisablehook"). Once more, shortly.

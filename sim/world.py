@@ -123,15 +123,18 @@ def stop_forkserver() -> None:
     pid = getattr(server, "_forkserver_pid", None)
     if not isinstance(pid, int):
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
-    stop = getattr(server, "_stop", None)
-    if callable(stop):  # reaps it and forgets it, so a later world in this process starts anew
+    # Held back: multiprocessing's stop closes the pipe, forgets it, then waits; cut short in
+    # between, it could not be run again (and a signal here ends the command all the same).
+    with signals_held():
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        stop = getattr(server, "_stop", None)
+        if callable(stop):  # reaps it and forgets it, so a later world here starts anew
+            with contextlib.suppress(ChildProcessError, OSError):
+                stop()
+            return
         with contextlib.suppress(ChildProcessError, OSError):
-            stop()
-        return
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, 0)
+            os.waitpid(pid, 0)
 
 
 class _RankPopen(popen_forkserver.Popen):

@@ -264,6 +264,48 @@ def test_signal_right_after_the_fork_server_is_spawned(
                 os.kill(pid, signal.SIGKILL)
 
 
+SIGNAL_AFTER_THE_WORK = {
+    # in the command's last cleanup, while multiprocessing reaps the killed fork server
+    "stopping_the_fork_server": """
+from multiprocessing import forkserver
+waitpid = os.waitpid
+def waitpid_then_signal(pid, options):
+    if options == 0 and pid == forkserver._forkserver._forkserver_pid:
+        os.kill(os.getpid(), signal.SIGINT)
+    return waitpid(pid, options)
+os.waitpid = waitpid_then_signal
+""",
+    # after the cleanup, while the exit code is chosen
+    "choosing_the_exit_code": """
+from pipemetrics.sim.interrupt import SignalGuard
+stop_raising = SignalGuard.stop_raising
+def stop_raising_then_signal(self):
+    stop_raising(self)
+    os.kill(os.getpid(), signal.SIGINT)
+SignalGuard.stop_raising = stop_raising_then_signal
+""",
+}
+
+
+@pytest.mark.parametrize("moment", sorted(SIGNAL_AFTER_THE_WORK))
+def test_signal_after_demo_did_its_work(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, moment: str
+) -> None:
+    """The command's work is done; a signal in what is left still ends it as a signal (130), with
+    no traceback, and its fork server still ended (a signal there once escaped as a traceback
+    and exit code 1)."""
+    script = "\n".join(["import os, signal, sys", SIGNAL_AFTER_THE_WORK[moment],
+                        "from pipemetrics.properties.cli import main", "sys.exit(main(['demo']))"])  # fmt: skip
+    done = run_bounded([sys.executable, "-c", script], cwd=tmp_path, timeout=bounds(6, 120),
+                       env=private_env(short_tmp))  # fmt: skip
+    assert "world started in" in done.stdout, done.stdout[-4000:]
+    assert done.returncode == 128 + signal.SIGINT, done.stdout[-4000:]
+    assert "interrupted by SIGINT" in done.stdout, done.stdout[-4000:]
+    assert "Traceback" not in done.stdout, done.stdout[-4000:]
+    assert "internal error" not in done.stdout, done.stdout[-4000:]
+    assert_no_leftovers(short_tmp, bounds(1, 10))
+
+
 def test_signal_to_replay(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:
     scenario = save_scenario(scenario_for("pipemetrics.reference"), tmp_path / "s.json")
     interrupt([*CLI, "replay", str(scenario)], short_tmp, bounds, signal.SIGINT,
