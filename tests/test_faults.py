@@ -219,28 +219,34 @@ def test_signal_to_demo_during_its_cold_world_start(short_tmp: Path, bounds: Bou
     assert "world started in" not in output
 
 
-SIGNAL_AT_FORKSERVER_SPAWN = """
-import os, signal, sys
-from multiprocessing import util
+def demo_patched(patch: str, cwd: Path, private: Path, timeout: float) -> str:
+    """Run ``pipemetrics demo`` in a Python that first runs ``patch`` (which puts a signal at one
+    moment); returns its output after checking that it exited as interrupted by that signal,
+    with no traceback."""
+    script = "\n".join(["import os, signal, sys", patch,
+                        "from pipemetrics.properties.cli import main", "sys.exit(main(['demo']))"])  # fmt: skip
+    done = run_bounded([sys.executable, "-c", script], cwd=cwd, timeout=timeout,
+                       env=private_env(private))  # fmt: skip
+    assert done.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), done.stdout[-4000:]
+    name = signal.Signals(done.returncode - 128).name
+    assert f"interrupted by {name}" in done.stdout, done.stdout[-4000:]
+    assert "Traceback" not in done.stdout, done.stdout[-4000:]
+    assert "internal error" not in done.stdout, done.stdout[-4000:]
+    return done.stdout
 
+
+SIGNAL_AT_FORKSERVER_SPAWN = """
 sys.path.insert(0, {preload_dir!r})
 import pipemetrics.sim.world as world
-
+from multiprocessing import util
 world.PRELOAD.append("pipemetrics_slow_preload")
 spawn = util.spawnv_passfds
-
-
 def spawn_then_signal(path, args, passfds):
     pid = spawn(path, args, passfds)
     if any(b"forkserver" in os.fsencode(arg) for arg in args):
         os.kill(os.getpid(), signal.SIGTERM)  # before multiprocessing records the pid
     return pid
-
-
 util.spawnv_passfds = spawn_then_signal
-from pipemetrics.properties.cli import main
-
-sys.exit(main(["demo"]))
 """
 
 
@@ -251,12 +257,10 @@ def test_signal_right_after_the_fork_server_is_spawned(
     recorded by multiprocessing. A fork server lost there goes on preloading (here a module that
     sleeps, standing in for torch and megatron-core on a loaded machine) and outlives the run."""
     (tmp_path / "pipemetrics_slow_preload.py").write_text("import time\ntime.sleep(600)\n")
-    script = SIGNAL_AT_FORKSERVER_SPAWN.format(preload_dir=str(tmp_path))
+    patch = SIGNAL_AT_FORKSERVER_SPAWN.format(preload_dir=str(tmp_path))
     try:
-        done = run_bounded([sys.executable, "-c", script], cwd=tmp_path,
-                           timeout=bounds(3, 60), env=private_env(short_tmp))  # fmt: skip
-        assert done.returncode == 128 + signal.SIGTERM, done.stdout[-4000:]
-        assert "interrupted by SIGTERM" in done.stdout, done.stdout[-4000:]
+        output = demo_patched(patch, tmp_path, short_tmp, bounds(3, 60))
+        assert "interrupted by SIGTERM" in output, output[-4000:]
         assert_no_leftovers(short_tmp, bounds(1, 10))
     finally:
         for pid in leftovers_in(short_tmp)[1]:
@@ -294,15 +298,9 @@ def test_signal_after_demo_did_its_work(
     """The command's work is done; a signal in what is left still ends it as a signal (130), with
     no traceback, and its fork server still ended (a signal there once escaped as a traceback
     and exit code 1)."""
-    script = "\n".join(["import os, signal, sys", SIGNAL_AFTER_THE_WORK[moment],
-                        "from pipemetrics.properties.cli import main", "sys.exit(main(['demo']))"])  # fmt: skip
-    done = run_bounded([sys.executable, "-c", script], cwd=tmp_path, timeout=bounds(6, 120),
-                       env=private_env(short_tmp))  # fmt: skip
-    assert "world started in" in done.stdout, done.stdout[-4000:]
-    assert done.returncode == 128 + signal.SIGINT, done.stdout[-4000:]
-    assert "interrupted by SIGINT" in done.stdout, done.stdout[-4000:]
-    assert "Traceback" not in done.stdout, done.stdout[-4000:]
-    assert "internal error" not in done.stdout, done.stdout[-4000:]
+    output = demo_patched(SIGNAL_AFTER_THE_WORK[moment], tmp_path, short_tmp, bounds(6, 120))
+    assert "world started in" in output, output[-4000:]
+    assert "interrupted by SIGINT" in output, output[-4000:]
     assert_no_leftovers(short_tmp, bounds(1, 10))
 
 
