@@ -171,10 +171,12 @@ CATALOGUE: tuple[Property, ...] = (
         "track_names.router_parity",
         "get_aux_loss_track_names",
         "the load-balancing names megatron-core's TopKRouter records for the config, in "
-        "recording order (strict: z_loss too, first, whenever moe_z_loss_coeff is set)",
+        "recording order, and z_loss only where it records one (strict: z_loss too, first, "
+        "whenever moe_z_loss_coeff is set)",
         '"Returns the aux-loss tracker names the router records for a model config." / '
         '"Aux-loss tracker names to pre-initialize, in the order Megatron records them. Empty '
-        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open)',
+        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open; a '
+        "z_loss the router does not record, without moe_z_loss_coeff, is never one of them)",
         lambda p, _: s.track_names_scenarios(p),
         j.checked(j.track_names_parity),
     ),

@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Check Megatron pipeline-parallel metric helpers in real multi-rank worlds.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    from pipemetrics.properties.options import add_load_timeout
 
     check = sub.add_parser("check", help="run the conformance suite against an implementation")
     from pipemetrics.properties.runner import add_check_arguments
@@ -77,18 +78,6 @@ def _parser() -> argparse.ArgumentParser:
     vendor = sub.add_parser("vendor", help="write the reference as one file to vendor")
     vendor.add_argument("dest", help="file (or directory) to write the reference module to")
     return parser
-
-
-def add_load_timeout(parser: argparse.ArgumentParser) -> None:
-    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S
-
-    parser.add_argument(
-        "--load-timeout",
-        type=float,
-        default=DEFAULT_LOAD_TIMEOUT_S,
-        metavar="S",
-        help="deadline for loading the target in a child process first (default: %(default)g s)",
-    )
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from pipemetrics.properties.options import add_load_timeout, add_profile, add_target
 from pipemetrics.properties.prove import (
     Bound,
     Certificate,
@@ -16,23 +17,19 @@ from pipemetrics.properties.prove import (
     progress_bar,
     prove,
 )
+from pipemetrics.properties.prove_families import FAMILY_NAMES
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.pool import TIERS
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
-from pipemetrics.sim.scenario import DEFAULT_TARGET
-from pipemetrics.sim.target import TargetLoadError, resolve_builtin
+from pipemetrics.sim.probe import probe_target
+from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError, resolve_builtin
 
 EXIT_PROVEN, EXIT_DISPROVEN, EXIT_USAGE = 0, 1, 2
 
 
 def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
     default = Bound()
-    parser.add_argument(
-        "--impl",
-        default=DEFAULT_TARGET,
-        metavar="TARGET",
-        help="dotted module name or path to a .py file (default: %(default)s)",
-    )
+    add_target(parser)
+    add_profile(parser)
     parser.add_argument(
         "--max-pp",
         type=int,
@@ -52,6 +49,16 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(map(str, default.parallel_sizes)),
         metavar="A,B",
         help="sizes tp, cp and dp each take (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--family",
+        dest="families",
+        action="append",
+        choices=FAMILY_NAMES,
+        default=[],
+        metavar="NAME",
+        help="run only this family of cases (repeatable; the certificate names the families "
+        "left out, which are not proven): " + ", ".join(FAMILY_NAMES),
     )
     parser.add_argument(
         "--steps",
@@ -104,15 +111,14 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where the failing case's scenario file goes (default: %(default)s)",
     )
-    parser.add_argument("--load-timeout", type=float, default=DEFAULT_LOAD_TIMEOUT_S,
-                        metavar="S", help="deadline for importing the target first")  # fmt: skip
+    add_load_timeout(parser)
 
 
 def bound_from_args(args: argparse.Namespace) -> Bound:
     """The bound the flags of `add_prove_arguments` ask for."""
     return Bound(
-        max_pp=args.max_pp, max_world=args.max_world, steps=args.steps,
-        parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
+        max_pp=args.max_pp, max_world=args.max_world, steps=args.steps, profile=args.profile,
+        families=tuple(args.families), parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
     )  # fmt: skip
 
 
@@ -122,6 +128,7 @@ def bound_cli_args(bound: Bound) -> list[str]:
     return [
         "--max-pp", str(bound.max_pp), "--max-world", str(bound.max_world),
         "--parallel-sizes", ",".join(map(str, bound.parallel_sizes)), "--steps", str(bound.steps),
+        "--profile", bound.profile, *(f"--family={name}" for name in bound.families),
     ]  # fmt: skip
 
 
@@ -149,20 +156,17 @@ def prove_main(args: argparse.Namespace) -> int:
                 raise ValueError("--shard: not with --ray, which runs every shard (use --shards N)")
             if args.ray is None and args.shards is not None:
                 raise ValueError("--shards: only with --ray (use --shard K/N otherwise)")
-            target = resolve_builtin(args.impl)
-            missing = {"get_moe_metrics", "get_mtp_metrics"} - set(
-                probe_target(target, args.load_timeout)
-            )
-            if missing:
+            functions = frozenset(probe_target(resolve_builtin(args.impl), args.load_timeout))
+            if not functions:
                 raise ValueError(
-                    f"--impl {args.impl}: the cases call {', '.join(sorted(missing))}, which "
-                    "the target does not define"
+                    f"--impl {args.impl}: defines none of {', '.join(API_FUNCTIONS)}; nothing "
+                    "to prove"
                 )
             if args.ray is not None:
                 certificate = _on_ray(args, bound)
             else:
                 certificate = prove(
-                    args.impl, bound, shard=shard, tier=args.tier,
+                    args.impl, bound, shard=shard, tier=args.tier, functions=functions,
                     report_dir=Path(args.report_dir), progress=progress_bar(),
                 )  # fmt: skip
     except (ValueError, ValidationError, MergeError, TargetLoadError, OSError) as exc:
@@ -204,6 +208,7 @@ def _print(cert: Certificate) -> None:
         f"{cert.properties_judged} property judgements, {cert.seconds:.0f} s on the {cert.tier} "
         "tier\n"
     )
+    out.write(f"  {cert.coverage.summary()}\n")
     classes = ", ".join(f"{key} {count}" for key, count in cert.cases.items() if key != "total")
     out.write(f"  cases by class: {classes}\n")
     if cert.failure is not None:

@@ -23,9 +23,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pipemetrics.properties.catalogue import SEMANTIC_PROFILES, Property
+from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.engine import PropertyResult, RunOptions, run_property
+from pipemetrics.properties.options import add_load_timeout, add_profile, add_target
 from pipemetrics.properties.profiles import (
     DEFAULT_PROFILE,
     GENERATOR_CLASSES,
@@ -45,8 +46,7 @@ from pipemetrics.properties.report import (
 from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.sim.interrupt import signal_name, stop_child
 from pipemetrics.sim.pool import TIERS, WorldPool
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
-from pipemetrics.sim.scenario import DEFAULT_TARGET
+from pipemetrics.sim.probe import probe_target, require_api
 from pipemetrics.sim.target import TargetLoadError, is_path_target
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -56,14 +56,8 @@ DEFAULT_DATABASE = os.environ.get(
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--impl", default=DEFAULT_TARGET, metavar="TARGET",
-        help="dotted module name or path to a .py file (default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument("--profile", choices=SEMANTIC_PROFILES, default="seed",
-                        help="semantic profile: seed (the API document's contract), megatron "
-                        "(seed, means over MoE layers as Megatron's report()) or strict (seed "
-                        "plus the reference's collective-safety guarantees)")  # fmt: skip
+    add_target(parser)
+    add_profile(parser)
     parser.add_argument(
         "--max-examples",
         type=int,
@@ -129,14 +123,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="cap on shrinking one failure (default: from the profile)",
     )
-    parser.add_argument(
-        "--load-timeout",
-        type=float,
-        default=DEFAULT_LOAD_TIMEOUT_S,
-        metavar="S",
-        help="deadline for importing the target, done first in a child process "
-        "(default: %(default)g s)",
-    )
+    add_load_timeout(parser)
     parser.add_argument(
         "--without-class",
         action="append",

@@ -22,12 +22,14 @@ use (never against a constant the bench chose):
    (`pipemetrics.sim.call_cost`; on megatron-core 0.13-0.17, which have no ``report()``, their
    ``track_moe_metrics()``, whose collectives are ``reduce_aux_losses_tracker_across_ranks``);
 6. hang and mismatch detection (`pipemetrics.sim.hang_detection`) against PyTorch's own tools;
-7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile.
+7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile, and
+   beside it ``pipemetrics prove`` on the reference at the default bound: cases, wall time,
+   cases per second and the ratio of the two wall times.
 
 ``--plot DIR`` draws the throughput and scaling curves as PNG files (matplotlib, the ``plot``
 extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
-measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips step 7 and
-runs step 6 on three kinds with pipemetrics and DETAIL only, to prove the bench works. Numbers
+measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips the check
+run of step 7 and proves only two single-rank families, and runs step 6 on three kinds with pipemetrics and DETAIL only, to prove the bench works. Numbers
 are reported, never asserted. Every world is closed and every temporary directory removed.
 
 What the installed megatron-core cannot run (`tier_unsupported`: the in-process tier on
@@ -142,6 +144,8 @@ class Plan:
     preloaded_starts: int
     """Fresh preloaded starts at least, per size (the fork-per-example worlds count)."""
     run_check: bool
+    prove_families: tuple[str, ...]
+    """The families ``pipemetrics prove`` runs (empty: the whole default bound)."""
     check_timeout_s: float
     cost_steps: int
     """Steps of each raw run that times a steady ``get_moe_metrics`` call."""
@@ -172,6 +176,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
             deadlock_samples=5,
             preloaded_starts=1,
             run_check=False,
+            prove_families=("round_up", "track_names"),
             check_timeout_s=check_timeout_s,
             cost_steps=4,
             wide_cost_sizes=(4,),
@@ -190,6 +195,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         deadlock_samples=100,
         preloaded_starts=3,
         run_check=True,
+        prove_families=(),
         check_timeout_s=check_timeout_s,
         cost_steps=30,
         wide_cost_sizes=(16, 32, 64, 128, 256, 512, 1024),
@@ -587,6 +593,9 @@ class Results:
     deadlock_ms: list[float] = field(default_factory=list)
     deadlock_run_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
+    prove_s: float | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+    """What a timed command wrote as JSON (the prove certificate), by its report key."""
     call_cost: list[CallCost] = field(default_factory=list)
     call_cost_wide: list[CallCost] = field(default_factory=list)
     """Collectives and bytes only, counted on the in-process tier."""
@@ -760,15 +769,14 @@ def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
     )
 
 
-def measure_check(plan: Plan, results: Results) -> bool:
-    """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
-    with tempfile.TemporaryDirectory(prefix="pipemetrics-bench-check-") as directory:
-        out = os.path.join(directory, "check.json")
-        command = [
-            sys.executable, "-m", "pipemetrics.properties.cli", "check",
-            "--hypothesis-profile", "ci", "--database", "none",
-            "--report-dir", os.path.join(directory, "report"), "--json", out,
-        ]  # fmt: skip
+def _timed_command(plan: Plan, results: Results, key: str, args: list[str]) -> float | None:
+    """Run ``pipemetrics ARGS --json FILE`` in a private directory under the plan's limit; its
+    wall time, or None (with a note naming ``key``) when it did not finish with exit 0. The JSON
+    it wrote is left in ``results.outputs[key]``."""
+    with tempfile.TemporaryDirectory(prefix=f"pipemetrics-bench-{key}-") as directory:
+        out = os.path.join(directory, "out.json")
+        command = [sys.executable, "-m", "pipemetrics.properties.cli", *args,
+                   "--report-dir", os.path.join(directory, "report"), "--json", out]  # fmt: skip
         _err("running: " + " ".join(command[1:]))
         began = time.perf_counter()
         proc = subprocess.Popen(
@@ -778,25 +786,39 @@ def measure_check(plan: Plan, results: Results) -> bool:
             stdout, stderr = proc.communicate(timeout=plan.check_timeout_s)
         except subprocess.TimeoutExpired:
             results.notes.append(
-                f"check_ci_profile_s: pipemetrics check did not finish within "
-                f"{plan.check_timeout_s:g} s; recorded null"
+                f"{key}: pipemetrics {args[0]} did not finish within {plan.check_timeout_s:g} s;"
+                " recorded null"
             )
-            return False
+            return None
         finally:
-            stop_child(proc)  # SIGTERM first: the check ends its own worlds (also on Ctrl-C)
-        done = subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+            stop_child(proc)  # SIGTERM first: the command ends its own worlds (also on Ctrl-C)
         elapsed = time.perf_counter() - began
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout or "").strip().splitlines()[-6:]
-        results.notes.append(
-            f"check_ci_profile_s: pipemetrics check exited {done.returncode} after "
-            f"{elapsed:.1f} s, so it is not a conformant run of the reference; recorded null. "
-            + " | ".join(tail)
-        )
-        return False
-    results.check_s = elapsed
-    _err(f"pipemetrics check (ci profile): {elapsed:.1f} s")
-    return True
+        if proc.returncode != 0:
+            tail = (stderr or stdout or "").strip().splitlines()[-6:]
+            results.notes.append(
+                f"{key}: pipemetrics {args[0]} exited {proc.returncode} after {elapsed:.1f} s, "
+                "so it is not a conformant run of the reference; recorded null. " + " | ".join(tail)
+            )
+            return None
+        results.outputs[key] = json.loads(Path(out).read_text(encoding="utf-8"))
+    _err(f"pipemetrics {args[0]} ({key}): {elapsed:.1f} s")
+    return elapsed
+
+
+def measure_check(plan: Plan, results: Results) -> bool:
+    """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
+    args = ["check", "--hypothesis-profile", "ci", "--database", "none"]
+    results.check_s = _timed_command(plan, results, "check_ci_profile_s", args)
+    return results.check_s is not None
+
+
+def measure_prove(plan: Plan, results: Results) -> bool:
+    """Time ``pipemetrics prove`` on the reference at the plan's bound (the default bound, or
+    the quick plan's two single-rank families); False when it was not usable."""
+    tier = "process" if inprocess_unsupported() is not None else "inprocess"
+    args = ["prove", "--tier", tier, *(f"--family={name}" for name in plan.prove_families)]
+    results.prove_s = _timed_command(plan, results, "prove", args)
+    return results.prove_s is not None
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -915,6 +937,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "torch_default_timeout_s": default_timeout_s(),
         },
         "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
+        "prove": _prove_report(results),
         "call_cost": _call_cost(results.call_cost),
         "call_cost_wide": _call_cost(results.call_cost_wide),
         "hang_detection": None if results.hang is None else report_section(results.hang),
@@ -989,6 +1012,24 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "scaling.TIER, call_cost_wide) and why; empty when everything was measured",
             *results.notes,
         ],
+    }
+
+
+def _prove_report(results: Results) -> dict[str, Any] | None:
+    """``pipemetrics prove`` beside ``check``: its cases, wall time and cases per second (the
+    certificate's own time, the cases' run alone), and the wall-time ratio to the check run."""
+    cert = results.outputs.get("prove")
+    if results.prove_s is None or cert is None:
+        return None
+    cases = int(cert["cases"]["total"])
+    return {
+        "bound": cert["bound"],
+        "cases": cases,
+        "wall_s": _num(results.prove_s),
+        "cases_per_s": _num(cases / max(float(cert["seconds"]), 1e-9)),
+        "to_check_ci_profile": None
+        if results.check_s is None
+        else _num(results.prove_s / results.check_s),
     }
 
 
@@ -1147,12 +1188,20 @@ def table(data: dict[str, Any]) -> str:
                 f"+{extra['bytes']} B, {_ratio_text(extra['ms_ratio'])} |"
             )
     lines += _left_out(not_measured, "call_cost_wide")
-    check = data["check_ci_profile_s"]
+    check, prove = data["check_ci_profile_s"], data["prove"]
     lines += [
         "",
         "pipemetrics check on the reference, ci profile: "
         + ("not run" if check is None else f"{check:.1f} s"),
-    ]
+        "pipemetrics prove on the reference: "
+        + ("not run" if prove is None else (
+            f"{prove['cases']:,} cases in {prove['wall_s']:.1f} s "
+            f"({_fmt_rate(prove['cases_per_s'])} cases/s), "
+            + ("check not timed" if prove["to_check_ci_profile"] is None else
+               f"{prove['to_check_ci_profile']:.2f}x the check's wall time")
+            + ("" if not prove["bound"]["families"] else
+               f"; families {', '.join(prove['bound']['families'])} only"))),
+    ]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -1224,6 +1273,7 @@ def run_bench(args: argparse.Namespace) -> int:
         measure_cost(plan, results, leftovers)
         measure_hang(plan, results, leftovers)
         check_ok = measure_check(plan, results) if plan.run_check else True
+        check_ok = measure_prove(plan, results) and check_ok
         data = report(plan, results, leftovers)
     except BenchError as exc:
         _err(str(exc))

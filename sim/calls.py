@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from pipemetrics.sim.layout import Frozen
+from pipemetrics.sim.layout import Frozen, ModelLayout, router_track_names
 
 LossScaleForm = Literal[
     "float", "numpy.float64", "numpy.float32", "tensor.float32", "tensor.float64"
@@ -238,10 +238,66 @@ class BroadcastCall(PerRank):
         return self.fill_seed if self.src_group_rank is None else self.fill_seed + 7919 * source
 
 
+class RouterConfig(Frozen):
+    """The model config ``get_aux_loss_track_names`` receives when a call names it outright
+    (rather than the scenario's layout): "Megatron TransformerConfig (or any object exposing
+    moe_router_load_balancing_type / moe_aux_loss_coeff)".
+
+    ``form``: a real ``TransformerConfig`` built from these fields (``aux_loss_coeff`` None:
+    not passed, its default 0.0; ``z_loss_coeff`` None: its default None), or a plain object
+    with exactly the attributes given (``moe_z_loss_coeff`` only with ``z_loss_attribute``).
+    ``routing_type`` may name types the router does not know and name one twice: a
+    ``TransformerConfig`` accepts both, and the router takes a listed type's first coefficient.
+    """
+
+    form: Literal["transformer_config", "attributes"] = "transformer_config"
+    routing_type: str | list[str]
+    aux_loss_coeff: float | list[float] | None = None
+    z_loss_coeff: float | None = None
+    z_loss_attribute: bool = True
+
+    @model_validator(mode="after")
+    def _megatron_accepts(self) -> RouterConfig:
+        listed = isinstance(self.routing_type, list)
+        coeffs = self.aux_loss_coeff
+        if listed and (not isinstance(coeffs, list) or len(coeffs) != len(self.routing_type)):
+            raise ValueError(
+                "aux_loss_coeff: a list of routing types needs a list of as many coefficients "
+                f"(TransformerConfig asserts it), got {coeffs!r}"
+            )
+        if not listed and isinstance(coeffs, list):
+            raise ValueError("aux_loss_coeff: a list only with a list of routing types")
+        if self.form == "attributes" and coeffs is None:
+            raise ValueError("aux_loss_coeff: the attributes form must expose moe_aux_loss_coeff")
+        if self.form == "transformer_config" and not self.z_loss_attribute:
+            raise ValueError("z_loss_attribute: a TransformerConfig always has moe_z_loss_coeff")
+        return self
+
+    @property
+    def live_track_names(self) -> list[str]:
+        """What the router records for this config, in its order (`router_track_names`)."""
+        z_loss = self.z_loss_attribute and self.z_loss_coeff is not None
+        coeffs = 0.0 if self.aux_loss_coeff is None else self.aux_loss_coeff
+        return router_track_names(self.routing_type, coeffs, z_loss)
+
+    def describe(self) -> str:
+        z = f"{self.z_loss_coeff!r}" if self.z_loss_attribute else "absent"
+        return (
+            f"{self.form}(routing_type={self.routing_type!r}, "
+            f"aux_loss_coeff={self.aux_loss_coeff!r}, z_loss_coeff={z})"
+        )
+
+
 class TrackNamesCall(Frozen):
-    """``get_aux_loss_track_names(config)`` with a real TransformerConfig-like object."""
+    """``get_aux_loss_track_names(config)``: a real TransformerConfig of the scenario's layout,
+    or the config ``config`` names."""
 
     function: Literal["get_aux_loss_track_names"] = "get_aux_loss_track_names"
+    config: RouterConfig | None = None
+
+    def expected_names(self, layout: ModelLayout) -> list[str]:
+        """The names the router records for the config this call passes."""
+        return list((self.config or layout).live_track_names)
 
 
 class RoundUpCall(Frozen):

@@ -10,6 +10,7 @@ violation names the field and the rule it breaks.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from functools import cache, cached_property
 from importlib import metadata
 from pathlib import Path
@@ -28,6 +29,33 @@ TRACK_NAME_OF: dict[str, str] = {
 }
 
 PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def router_aux_coeff(
+    routing_type: str | Sequence[str], aux_loss_coeff: float | Sequence[float], aux_type: str
+) -> float:
+    """megatron-core's ``TopKRouter.get_aux_loss_coeff``: the coefficient of ``aux_type`` (the
+    first listed one when a list names it twice), 0.0 when it is not configured."""
+    if isinstance(routing_type, str):
+        if routing_type == aux_type and isinstance(aux_loss_coeff, int | float):
+            return float(aux_loss_coeff)
+        return 0.0
+    if aux_type not in routing_type or isinstance(aux_loss_coeff, int | float):
+        return 0.0
+    return float(aux_loss_coeff[list(routing_type).index(aux_type)])
+
+
+def router_track_names(
+    routing_type: str | Sequence[str], aux_loss_coeff: float | Sequence[float], z_loss: bool
+) -> list[str]:
+    """The names one router forward records, in its order: ``z_loss`` when a z-loss
+    coefficient is set, then each aux-loss type whose coefficient is positive, in the router's
+    fixed order (aux, seq-aux, global), whatever order the config lists them in."""
+    names = ["z_loss"] if z_loss else []
+    names += [TRACK_NAME_OF[t] for t in AUX_LOSS_TYPES
+              if router_aux_coeff(routing_type, aux_loss_coeff, t) > 0]  # fmt: skip
+    return names
+
 
 MtpNumbering = Literal["router_adds_num_layers", "layer_passes_global", "default_layer_number"]
 """How a release numbers the router of a MoE layer inside MTP layer ``k`` (see
@@ -376,21 +404,15 @@ class ModelLayout(Frozen):
 
     def aux_coeff(self, aux_type: str) -> float:
         """The router's ``get_aux_loss_coeff``: the coefficient of ``aux_type``, 0.0 if absent."""
-        if isinstance(self.routing_type, list) and isinstance(self.aux_loss_coeff, list):
-            if aux_type in self.routing_type:
-                return self.aux_loss_coeff[self.routing_type.index(aux_type)]
-            return 0.0
-        if self.routing_type == aux_type and isinstance(self.aux_loss_coeff, float | int):
-            return float(self.aux_loss_coeff)
-        return 0.0
+        return router_aux_coeff(self.routing_type, self.aux_loss_coeff, aux_type)
 
     @property
     def live_track_names(self) -> list[str]:
         """The names the router records, in the order one forward records them (megatron-core
         0.14+'s names, the API document's; `recorded_track_names` for the installed release)."""
-        names = ["z_loss"] if self.z_loss_coeff is not None else []
-        names += [TRACK_NAME_OF[t] for t in AUX_LOSS_TYPES if self.aux_coeff(t) > 0]
-        return names
+        return router_track_names(
+            self.routing_type, self.aux_loss_coeff, self.z_loss_coeff is not None
+        )
 
     @property
     def recorded_track_names(self) -> list[str]:

@@ -302,9 +302,14 @@ class RankServer:
         if isinstance(spec, BroadcastCall):
             return self._broadcast_arguments(spec)
         if isinstance(spec, TrackNamesCall):
-            from pipemetrics.sim.router_fill import build_transformer_config
+            from pipemetrics.sim.router_fill import build_transformer_config, config_object
 
-            return {"model_config": build_transformer_config(setup)}
+            config = spec.config
+            return {
+                "model_config": build_transformer_config(setup)
+                if config is None
+                else config_object(setup, config)
+            }
         return {"value": spec.value, "multiple": spec.multiple}
 
     # -- broadcast groups ---------------------------------------------------------------------

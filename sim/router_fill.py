@@ -49,6 +49,7 @@ import hashlib
 import importlib
 import inspect
 import math
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +62,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from pipemetrics.sim.calls import RouterConfig
 from pipemetrics.sim.layout import ModelLayout, MtpNumbering, Setup
 from pipemetrics.sim.trackers import cpu_current_device, save_mtp
 
@@ -216,7 +218,25 @@ def _reset_temporary_tensors() -> Callable[[Any, list[torch.nn.Module]], None] |
     return reset
 
 
-def build_transformer_config(setup: Setup) -> Any:
+def config_object(setup: Setup, config: RouterConfig) -> Any:
+    """The object a `TrackNamesCall` with ``config`` passes: a real ``TransformerConfig`` of
+    ``setup`` with the config's routing fields, or an object with exactly its attributes."""
+    if config.form == "attributes":
+        attributes: dict[str, Any] = {
+            "moe_router_load_balancing_type": config.routing_type,
+            "moe_aux_loss_coeff": config.aux_loss_coeff,
+        }
+        if config.z_loss_attribute:
+            attributes["moe_z_loss_coeff"] = config.z_loss_coeff
+        return types.SimpleNamespace(**attributes)
+    routing: dict[str, Any] = {"moe_router_load_balancing_type": config.routing_type,
+                               "moe_z_loss_coeff": config.z_loss_coeff}  # fmt: skip
+    if config.aux_loss_coeff is not None:
+        routing["moe_aux_loss_coeff"] = config.aux_loss_coeff
+    return build_transformer_config(setup, routing)
+
+
+def build_transformer_config(setup: Setup, routing: dict[str, Any] | None = None) -> Any:
     """A real ``TransformerConfig`` for ``setup`` with everything the router reads.
 
     ``moe_router_pre_softmax`` is set exactly when ``topk == 1``: Megatron refuses top-1 softmax
@@ -228,7 +248,7 @@ def build_transformer_config(setup: Setup) -> Any:
     """
     layout, world = setup.layout, setup.world
     hidden = BASE_HIDDEN_SIZE * world.tp // math.gcd(BASE_HIDDEN_SIZE, world.tp)
-    routing: str | list[str] = (
+    routing_type: str | list[str] = (
         list(layout.routing_type) if isinstance(layout.routing_type, list) else layout.routing_type
     )
     coeff: float | list[float] = (
@@ -238,6 +258,9 @@ def build_transformer_config(setup: Setup) -> Any:
     )
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     fusion = {"moe_router_fusion": False} if "moe_router_fusion" in fields else {}
+    if routing is None:
+        routing = {"moe_router_load_balancing_type": routing_type, "moe_aux_loss_coeff": coeff,
+                   "moe_z_loss_coeff": layout.z_loss_coeff}  # fmt: skip
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.core\..*")
         return TransformerConfig(
@@ -254,9 +277,7 @@ def build_transformer_config(setup: Setup) -> Any:
                 if isinstance(layout.moe_layer_freq, list)
                 else layout.moe_layer_freq
             ),
-            moe_router_load_balancing_type=routing,
-            moe_aux_loss_coeff=coeff,
-            moe_z_loss_coeff=layout.z_loss_coeff,
+            **routing,
             mtp_num_layers=layout.mtp_num_layers or None,
             tensor_model_parallel_size=world.tp,
             pipeline_model_parallel_size=world.pp,

@@ -21,13 +21,13 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import Any, Literal, Self
 
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from pipemetrics.sim.coordinator import Coordinator, Verdict
 from pipemetrics.sim.entry import rank_entry
@@ -64,6 +64,15 @@ class WorldRun(Frozen):
     """False when the world had to be killed (crash, deadline, ranks that did not unwind)."""
     collectives_released: int = 0
     startup_s: float = Field(default=0.0)
+    _derived: dict[object, object] = PrivateAttr(default_factory=dict)
+    """What judges compute from this run, each computed once however many judge it (the
+    oracle's expectation of a call): `derived`."""
+
+    def derived[T](self, key: object, compute: Callable[[], T]) -> T:
+        """``compute()``, remembered under ``key`` for this run (a fact of the run alone)."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]  # type: ignore[return-value]
 
 
 def fork_context() -> Any:

@@ -81,7 +81,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
 
     contract = {
         "throughput", "scaling", "world_start_s", "deadlock", "check_ci_profile_s", "call_cost",
-        "call_cost_wide", "hang_detection", "not_measured", "machine", "leftovers",
+        "call_cost_wide", "hang_detection", "not_measured", "machine", "leftovers", "prove",
     }  # fmt: skip
     assert contract <= set(data)
 
@@ -155,6 +155,11 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert deadlock["reaction_ms"]["p50"] <= deadlock["end_to_end_ms"]["p95"]
     assert positive(deadlock["samples"]) and positive(deadlock["torch_default_timeout_s"])
     assert data["check_ci_profile_s"] is None, "--quick skips the check run"
+    prove = data["prove"]  # the quick plan proves two single-rank families; no check to compare
+    assert prove["bound"]["families"] == ["round_up", "track_names"]
+    assert positive(prove["cases"]) and positive(prove["wall_s"]) and positive(prove["cases_per_s"])
+    assert prove["to_check_ci_profile"] is None
+    assert f"pipemetrics prove on the reference: {prove['cases']:,} cases in" in done.stdout
     assert data["quick"] is True
 
     assert set(data["call_cost"]) == QUICK_SIZES

@@ -85,7 +85,7 @@ HYPOTHESIS_PROFILES: dict[str, str] = {
 SHRINK_SECONDS = 3
 
 
-def _mutant_param(name: str) -> Any:
+def mutant_param(name: str) -> Any:
     """``name``, skipped where its bug cannot show on the installed megatron-core, for every
     reason that applies: the acceptance-rate mutants without counts, those of `NEEDS_TO_SHOW`
     (an API the mutant's code or its bug needs is missing, e.g. a per-entry data-parallel
@@ -131,7 +131,7 @@ NO_MTP_SLOTS = (
 )
 
 
-@pytest.mark.parametrize("name", [_mutant_param(n) for n in sorted(MUTANTS)])
+@pytest.mark.parametrize("name", [mutant_param(n) for n in sorted(MUTANTS)])
 def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) -> None:
     """The check fails each named property, and replaying each failure file judges the same."""
     mutant = MUTANTS[name]
@@ -162,7 +162,7 @@ def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) 
     [
         pytest.param(name, marks=pytest.mark.skip(reason=NEEDS_TO_RUN[name]))
         if name in NEEDS_TO_RUN
-        else _mutant_param(name)  # where the bug cannot show, no class can be shown to matter
+        else mutant_param(name)  # where the bug cannot show, no class can be shown to matter
         for name, mutant in sorted(MUTANTS.items())
         if mutant.caught_by_classes
     ],

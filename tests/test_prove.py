@@ -1,6 +1,6 @@
-"""``pipemetrics prove``: the enumeration, the certificate, shards and their merge, and that every
-hang-class mutant of the seed profile is disproven with a smallest layout that replays on the
-process tier. CI runs reduced bounds (the README states the default bound's numbers)."""
+"""``pipemetrics prove``: the enumeration, the certificate and its coverage, partial targets,
+shards and their merge, the command. tests/test_prove_matches_check.py runs the default bound
+against the reference, the false-positive control and every mutant."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pipemetrics.properties.prove import (
     Case,
     Certificate,
     MergeError,
+    coverage_of,
     enumerate_cases,
     merge,
     prove,
@@ -28,20 +29,19 @@ from pipemetrics.properties.prove_command import (
     bound_cli_args,
     bound_from_args,
 )
+from pipemetrics.properties.prove_families import FAMILIES, FAMILY_NAMES
+from pipemetrics.properties.strategies import every_rank_records_every_name
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.replay import replay_main
+from pipemetrics.sim.target import API_FUNCTIONS
 
-from .broken.mutants import MUTANTS, write_mutant
+from .broken.mutants import REFERENCE_PATH as REFERENCE
 from .conftest import Bounds, private_tmpdir, run_bounded
 
 pytestmark = pytest.mark.skipif(
     inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
 )
 
-TINY = Bound(max_pp=2, max_world=2)
-SEED_HANG_MUTANTS = sorted(
-    name for name, m in MUTANTS.items() if m.sim_verdict is not None and m.profile == "seed"
-)
+TINY = Bound(max_pp=2, max_world=2, families=("layouts", "flexible", "broadcast"))
 
 
 def test_the_enumeration_is_canonical_and_smallest_first() -> None:
@@ -51,21 +51,64 @@ def test_the_enumeration_is_canonical_and_smallest_first() -> None:
     assert keys == [c.key for c in enumerate_cases(Bound())]
     sizes = [c.world.world_size for c in cases]
     assert sizes == sorted(sizes)
-    families = {c.family for c in cases}
-    assert families == {"layouts", "routing", "flexible", "broadcast"}
+    assert {c.family for c in cases} == set(FAMILY_NAMES)  # every family has cases
     moe_cases = [c for c in cases if isinstance(c, Case)]
     assert {c.mtp for c in moe_cases} == {"none", "dense", "moe"}
-    assert {k for c in moe_cases for k in c.stages} == {"empty", "dense", "moe"}
+    assert {k for c in moe_cases for k in c.stages} >= {"", "d", "m", "dm", "md", "mm"}
     assert max(c.world.pp for c in cases) == Bound().max_pp
+    assert max(c.world.dp for c in moe_cases) == 3 and max(c.mtp_layers for c in moe_cases) == 2
     flexible = [c for c in moe_cases if c.family == "flexible"]
     assert {c.vpp for c in flexible} == {1, 2} and {c.mtp_rank for c in flexible} >= {None, 0}
     for case in flexible:  # every layout string passes Megatron's rules (Setup validates)
         case.setup()
     new_groups = {(c.world.world_size, c.members) for c in cases
-                  if isinstance(c, BroadcastCase) and c.members}  # fmt: skip
+                  if isinstance(c, BroadcastCase) and c.members and c.family == "broadcast"}  # fmt: skip
     world = Bound().max_world  # every subset of two or more ranks, at every world size
     assert len(new_groups) == sum(2**n - n - 1 for n in range(2, world + 1))
     assert (4, (1, 3)) in new_groups  # members that are not the first ranks
+
+
+def test_every_family_is_described_once_and_a_restricted_bound_says_what_it_left_out() -> None:
+    assert [family.name for family in FAMILIES] == list(FAMILY_NAMES)
+    assert all(family.enumerates for family in FAMILIES)
+    restricted = Bound(families=("round_up",))
+    assert {c.family for c in enumerate_cases(restricted)} == {"round_up"}
+    coverage = coverage_of(restricted, frozenset(API_FUNCTIONS), 0)
+    assert [f.name for f in coverage.families] == ["round_up"]
+    assert "layouts" in coverage.left_out and "families left out: layouts" in coverage.summary()
+
+
+def test_the_seed_profile_draws_only_the_documented_argument_forms() -> None:
+    """Seed: a float loss_scale, and the pre-initialising call wherever a stage records
+    nothing; strict: every form everywhere (issue: prove never stricter than the profile)."""
+    seed = [c for c in enumerate_cases(Bound()) if isinstance(c, Case)]
+    strict = [c for c in enumerate_cases(Bound(profile="strict")) if isinstance(c, Case)]
+    assert {c.arguments.form for c in seed} == {"float", "numpy.float64"}
+    assert {c.arguments.form for c in strict} >= {"tensor.float32", "numpy.float32"}
+    for case in seed:
+        setup = case.setup()
+        if not every_rank_records_every_name(setup):
+            assert case.arguments.track_names == "live" and case.arguments.num_layers == "given"
+    assert any(c.arguments.track_names == "none" and not every_rank_records_every_name(c.setup())
+               for c in strict)  # fmt: skip
+    seed_broadcasts = [c for c in enumerate_cases(Bound()) if isinstance(c, BroadcastCase)]
+    assert all(c.shape != "transposed" for c in seed_broadcasts)  # the document promises none
+
+
+def test_a_target_with_some_of_the_functions_is_proven_on_those(tmp_path: Path) -> None:
+    """verl-style copies define two or three of the five functions: prove runs their cases,
+    names the others as absent, and skips (never refuses) the rest."""
+    target = tmp_path / "partial.py"
+    source = REFERENCE.read_text()
+    target.write_text(source + "\ndel get_moe_metrics, get_mtp_metrics, broadcast_tensor\n")
+    bound = Bound(max_pp=1, max_world=1, families=("layouts", "round_up", "track_names"))
+    cert = prove(str(target), bound, report_dir=tmp_path / "report")
+    assert cert.proven, cert.failure
+    assert cert.coverage.absent == ["broadcast_tensor", "get_moe_metrics", "get_mtp_metrics"]
+    assert cert.cases["total"] == cert.cases.get("family:round_up", 0) + cert.cases.get(
+        "family:track_names", 0)  # fmt: skip
+    assert cert.coverage.skipped == cert.cases_in_bound - cert.cases["total"] > 0
+    assert "functions absent (not proven): broadcast_tensor" in cert.coverage.summary()
 
 
 def test_shards_partition_the_cases() -> None:
@@ -76,8 +119,10 @@ def test_shards_partition_the_cases() -> None:
 
 
 @pytest.mark.parametrize(
-    "bound", [Bound(), TINY, Bound(max_pp=8, max_world=16, parallel_sizes=(1, 2, 4), steps=3)]
-)
+    "bound",
+    [Bound(), TINY, Bound(profile="strict", families=("arguments", "round_up")),
+     Bound(max_pp=8, max_world=16, parallel_sizes=(1, 2, 4), steps=3)],
+)  # fmt: skip
 def test_a_bound_goes_through_the_command_line_unchanged(bound: Bound) -> None:
     """What a Ray shard is started with (bound_cli_args) parses back to the same bound."""
     parser = argparse.ArgumentParser()
@@ -85,70 +130,7 @@ def test_a_bound_goes_through_the_command_line_unchanged(bound: Bound) -> None:
     assert bound_from_args(parser.parse_args(bound_cli_args(bound))) == bound
 
 
-def test_the_reference_is_proven_on_a_small_bound(tmp_path: Path) -> None:
-    cert = prove("pipemetrics.reference", TINY, report_dir=tmp_path)
-    assert cert.proven, cert.failure
-    assert cert.cases["total"] == cert.cases_in_bound == len(enumerate_cases(TINY))
-    assert cert.properties_judged > cert.cases["total"]
-    assert cert.target_sha256 and cert.megatron_core != "unknown"
-
-
-def test_an_implementation_to_the_letter_of_the_document_is_proven(tmp_path: Path) -> None:
-    """The false-positive control (tests/seed_letter, unlike the reference in every way the
-    document allows): prove must not disprove it. It caught prove calling get_moe_metrics
-    without the pre-initialisation the document prescribes for a stage that records nothing."""
-    seed_letter = Path(__file__).resolve().parent / "seed_letter" / "common.py"
-    bound = Bound(max_pp=2, max_world=3)
-    cert = prove(str(seed_letter), bound, report_dir=tmp_path)
-    assert cert.proven, cert.failure
-    assert cert.cases["total"] == len(enumerate_cases(bound))
-
-
-def test_a_standalone_mtp_stage_disproves_the_last_stage_only_mutant(tmp_path: Path) -> None:
-    """The flexible family reaches a bug the samplers find in about 3% of their examples."""
-    path = write_mutant("moe_mtp_slots_only_on_last_stage", tmp_path / "mutants")
-    cert = prove(str(path), TINY, report_dir=tmp_path / "report")
-    assert not cert.proven and cert.failure is not None
-    assert cert.failure.case.startswith("flexible|") and "mtp-moe@0" in cert.failure.case
-    assert "moe.values" in cert.failure.properties
-
-
-def test_calls_in_both_orders_disprove_a_get_mtp_metrics_that_clears_the_moe_tracker(
-    tmp_path: Path,
-) -> None:
-    """The second step calls get_mtp_metrics first: a bug the samplers need a budget of about
-    400 examples for is a 1-rank case here."""
-    path = write_mutant("mtp_clears_moe_tracker", tmp_path / "mutants")
-    cert = prove(str(path), TINY, report_dir=tmp_path / "report")
-    assert not cert.proven and cert.failure is not None
-    assert "steps.interleaved" in cert.failure.properties, cert.failure.properties
-
-
-def test_a_new_group_of_later_ranks_disproves_a_global_source_passed_as_group_rank(
-    tmp_path: Path,
-) -> None:
-    """Sampling rarely draws a group whose members are not its first ranks; the new_group
-    broadcasts enumerate them (the smallest is [0, 2] of 3 ranks)."""
-    path = write_mutant("broadcast_global_src_as_group_src", tmp_path / "mutants")
-    cert = prove(str(path), Bound(max_pp=1, max_world=3), report_dir=tmp_path / "report")
-    assert not cert.proven and cert.failure is not None
-    assert "|new_group[0, 2]|" in cert.failure.case, cert.failure.case
-    assert "broadcast.roundtrip" in cert.failure.properties
-
-
-@pytest.mark.parametrize("name", SEED_HANG_MUTANTS)
-def test_every_seed_hang_mutant_is_disproven(tmp_path: Path, name: str) -> None:
-    path = write_mutant(name, tmp_path / "mutants")
-    cert = prove(str(path), Bound(max_pp=2, max_world=4), report_dir=tmp_path / "report")
-    assert not cert.proven and cert.failure is not None
-    failing = next(c for c in enumerate_cases(Bound(max_pp=2, max_world=4))
-                   if c.key == cert.failure.case)  # fmt: skip
-    assert failing.world.world_size <= 2, cert.failure.case  # the smallest world that shows it
-    scenario_file = cert.failure.replay.split(" ", 2)[2]
-    assert replay_main(scenario_file, impl=None, raw=False, json_out=None) == 1
-
-
-SHARDED = Bound(max_pp=1, max_world=2)
+SHARDED = Bound(max_pp=1, max_world=2, families=("layouts", "broadcast"))
 
 
 def _shard(tmp_path: Path, k: int, n: int) -> Certificate:
@@ -186,8 +168,9 @@ def test_the_command_writes_certificates_and_merges_them(tmp_path: Path, bounds:
     outs = []
     for k in (1, 2):
         out = tmp_path / f"shard{k}.json"
-        done = _prove_cli(tmp_path, bounds, "--max-pp", "1", "--max-world", "2",
-                          "--shard", f"{k}/2", "--json", str(out))  # fmt: skip
+        done = _prove_cli(tmp_path, bounds, "--max-pp", "1", "--max-world", "2", "--family",
+                          "layouts", "--family", "broadcast", "--shard", f"{k}/2", "--json",
+                          str(out))  # fmt: skip
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"PROVEN for shard {k}/2" in done.stdout
         outs.append(str(out))
@@ -198,3 +181,9 @@ def test_the_command_writes_certificates_and_merges_them(tmp_path: Path, bounds:
     assert data["proven"] is True and data["cases"]["total"] == data["cases_in_bound"]
     done = _prove_cli(tmp_path, bounds, "--shard", "3/2")
     assert done.returncode == 2 and "--shard: K must be between 1 and N" in done.stdout
+
+
+def test_docs_prove_describes_every_family() -> None:
+    """docs/prove.md is where a user reads the abstraction: every family has its row."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "prove.md").read_text()
+    assert [name for name in FAMILY_NAMES if f"| `{name}` |" not in text] == []

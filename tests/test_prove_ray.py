@@ -26,10 +26,11 @@ pytestmark = pytest.mark.skipif(
 
 pytest.importorskip("ray", reason="the ray extra is in dev; CI installs it")
 
-SMALL = Bound(max_pp=1, max_world=2, parallel_sizes=(1,))
-"""16 cases of two families (layouts on one rank, new_group broadcasts on two): the plumbing
+SMALL = Bound(max_pp=1, max_world=2, parallel_sizes=(1,), families=("layouts", "broadcast"))
+"""A few cases of two families (layouts on one rank, new_group broadcasts on two): the plumbing
 is what is tested here; tests/test_prove.py proves the larger bounds."""
-SMALL_ARGS = ("--max-pp", "1", "--max-world", "2", "--parallel-sizes", "1")
+SMALL_ARGS = ("--max-pp", "1", "--max-world", "2", "--parallel-sizes", "1", "--family",
+              "layouts", "--family", "broadcast")  # fmt: skip
 
 
 def _prove_on_ray(

@@ -75,7 +75,9 @@ def get_aux_loss_track_names(model_config: Any) -> list[str]:
     coeffs = getattr(model_config, "moe_aux_loss_coeff", 0.0)
     if isinstance(types, str):
         types, coeffs = [types], [coeffs]
-    enabled = {t for t, c in zip(types or [], coeffs or [], strict=False) if c}
+    # "the matching coefficient": get_aux_loss_coeff takes a type's first listing
+    first = {t: c for t, c in reversed(list(zip(types or [], coeffs or [], strict=False)))}
+    enabled = {t for t, c in first.items() if c}
     # "in the order Megatron records them": the router applies aux, seq, then global
     return [name for kind, name in _AUX_LOSS_TRACK_NAMES.items() if kind in enabled]
 
