@@ -1,7 +1,7 @@
 """The property catalogue. Property IDs are a public contract: never rename or reuse one.
 
 Each `Property` names the seed API function it tests, the sentence of the API document
-(``shared/seed/megatron-common-api.txt``, the documentation of ``nemo_rl.models.megatron.common``)
+(``docs/megatron-common-api.txt``, the documentation of ``nemo_rl.models.megatron.common``)
 or the Megatron behaviour it enforces (``cites``), the semantic profiles it belongs to, a strategy
 of scenarios (given the Hypothesis profile and the semantic profile) and a judge that turns the run
 into problems.

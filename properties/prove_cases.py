@@ -90,7 +90,8 @@ FAMILY_ORDER = ("round_up", "track_names", "layouts", "routing", "arguments", "c
                 "flexible", "programs")  # fmt: skip
 """Within one world size and pipeline depth, the order families run in: the broad and few
 first, the numerous last, so that a bug most families show is found after few cases."""
-Order = tuple[int, int, int, int, str]
+Order = tuple[int, int, int, int, int, str]
+"""World size, (virtual) stages, family, layers, steps, key: smallest first."""
 
 
 def family_rank(family: str) -> int:
@@ -238,7 +239,8 @@ class Case(Frozen):
         """Smaller worlds, fewer (virtual) stages first, then by family and layers."""
         layers = sum(map(len, self.stages)) + (self.mtp != "none") * self.mtp_layers
         stages = self.world.pp * self.vpp
-        return (self.world.world_size, stages, family_rank(self.family), layers, self.key)
+        rank = family_rank(self.family)
+        return (self.world.world_size, stages, rank, layers, len(self.program), self.key)
 
     @property
     def classes(self) -> list[str]:
@@ -435,7 +437,7 @@ class BroadcastCase(Frozen):
         return key
 
     def order(self) -> Order:
-        return (self.world.world_size, self.world.pp, family_rank(self.family), 0, self.key)
+        return (self.world.world_size, self.world.pp, family_rank(self.family), 0, 0, self.key)
 
     @property
     def classes(self) -> list[str]:
@@ -511,7 +513,7 @@ class TrackNamesCase(Frozen):
         return f"track_names|{self.routing_type!r}|{self.aux_loss_coeff!r}"
 
     def order(self) -> Order:
-        return (1, 0, family_rank(self.family), 0, self.key)
+        return (1, 0, family_rank(self.family), 0, 0, self.key)
 
     @property
     def classes(self) -> list[str]:
@@ -565,7 +567,7 @@ class RoundUpCase(Frozen):
         return f"round_up|multiple-{self.multiple if self.multiple is not None else 'large'}"
 
     def order(self) -> Order:
-        return (1, 0, family_rank(self.family), 0, self.key)
+        return (1, 0, family_rank(self.family), 0, 0, self.key)
 
     @property
     def classes(self) -> list[str]:

@@ -191,11 +191,14 @@ def magnitudes(bound: Bound) -> Iterator[AnyCase]:
                    routing=every_routing(), value_scale=scale)  # fmt: skip
 
 
-PROGRAM_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind], ...] = (
-    (WorldSpec(pp=2), ("d", "m"), "moe"),
+PROGRAM_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind, Arguments], ...] = (
+    (WorldSpec(pp=2), ("d", "m"), "moe", Arguments()),
+    (WorldSpec(), ("m",), "moe", Arguments(track_names="none")),
 )
-"""A stage without MoE layers (it holds names only through pre-initialisation) and an MoE MTP
-layer (the MTP tracker and the MoE tracker both filled on the last stage)."""
+"""pp 2 with a stage without MoE layers (it holds names only through the pre-initialising call)
+and an MoE MTP layer (the MTP and MoE trackers both filled on the last stage); one rank without
+pre-initialisation (``track_names=None``: names reach the call only by being recorded, so they
+appear and disappear with training steps)."""
 
 
 def programs() -> list[tuple[StepPlan, ...]]:
@@ -214,10 +217,10 @@ def programs() -> list[tuple[StepPlan, ...]]:
 
 
 def step_programs(bound: Bound) -> Iterator[AnyCase]:
-    for (world, stages, mtp), program in itertools.product(PROGRAM_LAYOUTS, programs()):
+    for (world, stages, mtp, args), program in itertools.product(PROGRAM_LAYOUTS, programs()):
         if fits(world, bound):
             yield Case(family="programs", world=world, stages=stages, mtp=mtp,
-                       routing=every_routing(), program=program)  # fmt: skip
+                       routing=every_routing(), program=program, arguments=args)  # fmt: skip
 
 
 ARGUMENT_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind], ...] = (
@@ -453,7 +456,8 @@ FAMILIES: tuple[Family, ...] = (
             "every step program of 1 to 3 steps: each step trains (every router and the MTP layer "
             "record) or is forward-only (nothing recorded), then calls none, one or both functions "
             "in either order; names appear and disappear between steps on every rank",
-            "in pp 2: a stage without MoE layers, an MoE MTP layer on the last",
+            "in pp 2 (a stage without MoE layers, pre-initialised names, MoE MTP) and in one rank "
+            "without pre-initialisation (track_names None)",
         ),
     ),
     Family(
@@ -577,8 +581,8 @@ FIXED: tuple[Fixed, ...] = (
         what="step programs outside the programs family",
         value="the bound's steps, each "
         "training and calling both functions, in one order then the other",
-        why="the programs family enumerates sequences in the layout where the trackers interact "
-        "most (a stage that records nothing, an MoE MTP layer)",
+        why="the programs family enumerates sequences where the trackers interact most (pp 2 "
+        "with a stage that records nothing and MoE MTP; one rank with track_names None)",
     ),
     Fixed(
         what="fill mode",

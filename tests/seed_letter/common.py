@@ -1,7 +1,7 @@
 """A second correct implementation, written to the letter of the API document.
 
 The false-positive control of the conformance suite (never part of the package): the five
-functions of ``nemo_rl.models.megatron.common`` as ``shared/seed/megatron-common-api.txt``
+functions of ``nemo_rl.models.megatron.common`` as ``docs/megatron-common-api.txt``
 describes them, written independently of pipemetrics' reference and deliberately unlike it:
 
 * ``broadcast_tensor`` sends the metadata with ``broadcast_object_list`` from the source, as the
