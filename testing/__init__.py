@@ -29,6 +29,7 @@ from pipemetrics.testing.trackers import (
     tracker_snapshot,
 )
 from pipemetrics.testing.worlds import (
+    DEFAULT_START_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     RankFailure,
     Stage,
@@ -38,6 +39,7 @@ from pipemetrics.testing.worlds import (
 )
 
 __all__ = [
+    "DEFAULT_START_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "LayerValues",
     "RankFailure",

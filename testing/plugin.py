@@ -7,8 +7,9 @@ does when a test asks for it.
   ``torch.distributed`` world (for tests whose reduction is patched out);
 * ``pipemetrics_one_rank``: a one-rank gloo world with ``parallel_state`` initialised and clean
   trackers (`one_rank_world`), torn down after the test; yields its `Stage`;
-* ``pipemetrics_two_stage``: `run_two_stage` with the deadline of
-  ``--pipemetrics-world-timeout`` (default 120 s).
+* ``pipemetrics_two_stage``: `run_two_stage` with the deadlines of
+  ``--pipemetrics-world-timeout`` (the function's, default 60 s) and
+  ``--pipemetrics-world-start-timeout`` (starting the world, default 180 s).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pipemetrics.testing.worlds import DEFAULT_TIMEOUT_S
+from pipemetrics.testing.worlds import DEFAULT_START_TIMEOUT_S, DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from pipemetrics.testing.worlds import Stage
@@ -30,7 +31,11 @@ TwoStageRunner = Callable[..., list[Any]]
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pipemetrics-testing", "pipemetrics.testing fixtures")
     group.addoption("--pipemetrics-world-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                    metavar="S", help="deadline of each pipemetrics_two_stage call "
+                    metavar="S", help="deadline of the function of a pipemetrics_two_stage call, "
+                    "from when both ranks are in the world (default: %(default)g s)")  # fmt: skip
+    group.addoption("--pipemetrics-world-start-timeout", type=float,
+                    default=DEFAULT_START_TIMEOUT_S, metavar="S",
+                    help="deadline for starting a pipemetrics_two_stage world "
                     "(default: %(default)g s)")  # fmt: skip
 
 
@@ -58,8 +63,9 @@ def pipemetrics_one_rank() -> Iterator[Stage]:
 
 @pytest.fixture
 def pipemetrics_two_stage(request: pytest.FixtureRequest) -> TwoStageRunner:
-    """`run_two_stage` with the session's deadline: ``pipemetrics_two_stage(function, args=...)``."""
+    """`run_two_stage` with the session's deadlines: ``pipemetrics_two_stage(function, args=...)``."""
     from pipemetrics.testing.worlds import run_two_stage
 
     timeout: float = request.config.getoption("--pipemetrics-world-timeout")
-    return functools.partial(run_two_stage, timeout_s=timeout)
+    start: float = request.config.getoption("--pipemetrics-world-start-timeout")
+    return functools.partial(run_two_stage, timeout_s=timeout, start_timeout_s=start)

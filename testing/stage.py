@@ -1,6 +1,6 @@
 """One rank of `pipemetrics.testing.worlds.run_two_stage` (``python -m pipemetrics.testing.stage
 DIRECTORY RANK``): joins the two-stage gloo world over a ``FileStore`` in DIRECTORY, builds
-``parallel_state`` (``pp=2``), runs the function the spec names and writes its result (or its
+``parallel_state`` (``pp=2``), says it is ready (``rankN.ready``), runs the function the spec names and writes its result (or its
 exception) to ``rankN.result``, then waits for the peer's result so that no rank leaves a
 collective its peer is still in. Output and stack dumps go to ``rankN.log``/``rankN.stacks``;
 the process dies with its controller (`pipemetrics.sim.rank.run_child`).
@@ -42,6 +42,7 @@ def _outcome(directory: str, rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         )
         join_world(WorldSpec(pp=WORLD_SIZE))
         reset_trackers()
+        Path(directory, f"rank{rank}.ready").touch()  # the function's deadline starts
         with cpu_current_device():
             value = function(Stage(rank=rank, pp_rank=rank, pp_size=WORLD_SIZE), *args)
         pickle.dumps(value)  # fails here, with a traceback, when the result cannot travel

@@ -6,9 +6,10 @@
 * `run_two_stage`: two processes, one per pipeline stage (``pp=2``; by convention stage 0 holds
   no MoE layers and stage 1 does, and holds the MTP layers: the smallest layout in which a copy
   that skips or reorders collectives on a dense stage shows it), each running the same
-  function; returns each rank's result. A hard deadline: a rank that hangs, dies or raises is
-  reported with its stack or traceback, and both processes are killed and reaped and the temp
-  dir removed on every outcome.
+  function; returns each rank's result. Two hard deadlines (starting: interpreters, imports,
+  the world; then the function itself): a rank that hangs, dies or raises is reported with its
+  stack or traceback, and both processes are killed and reaped and the temp dir removed on
+  every outcome.
 
 torch and megatron-core are imported when a world starts, not when this module is.
 """
@@ -35,9 +36,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_TIMEOUT_S = 120.0
-"""`run_two_stage`'s deadline: two fresh interpreters importing torch and megatron-core, then
-the function (a few seconds on an idle machine)."""
+DEFAULT_TIMEOUT_S = 60.0
+"""`run_two_stage`'s deadline for the function, counted from the moment both ranks are in the
+world (a hang is reported this long after it starts)."""
+DEFAULT_START_TIMEOUT_S = 180.0
+"""`run_two_stage`'s deadline for starting: two fresh interpreters importing torch and
+megatron-core and joining the world (a few seconds on an idle machine; far more on a busy
+one)."""
 STACK_GRACE_S = 1.0
 POLL_S = 0.02
 
@@ -192,6 +197,10 @@ def _tail(path: Path, limit: int = 4000) -> str:
     return text[-limit:]
 
 
+def _ready_file(directory: str, rank: int) -> Path:
+    return Path(directory, f"rank{rank}.ready")
+
+
 def _details(directory: str, rank: int) -> str:
     output = _tail(Path(directory, f"rank{rank}.log"))
     stack = _tail(Path(directory, f"rank{rank}.stacks"))
@@ -213,11 +222,16 @@ def _dump_stacks(procs: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 def _wait(
-    procs: Sequence[subprocess.Popen[bytes]], directory: str, timeout_s: float
+    procs: Sequence[subprocess.Popen[bytes]],
+    directory: str,
+    timeout_s: float,
+    start_timeout_s: float,
 ) -> dict[int, RankFailure]:
-    """Wait until every rank exits, one exits without a result, or the deadline; the ranks
+    """Wait until every rank exits, one exits without a result, or a deadline passes (the
+    start's, then the function's, counted from when every rank is in the world); the ranks
     that did not return as `RankFailure`s (the live ones are left for the caller to kill)."""
-    deadline = time.monotonic() + timeout_s
+    start_deadline = time.monotonic() + start_timeout_s
+    deadline: float | None = None
     while True:
         codes = [p.poll() for p in procs]
         died = {
@@ -225,7 +239,10 @@ def _wait(
             for rank, code in enumerate(codes)
             if code is not None and not _result_file(directory, rank).exists()
         }
-        if died or time.monotonic() > deadline:
+        ready = [_ready_file(directory, rank).exists() for rank in range(len(procs))]
+        if deadline is None and all(ready):
+            deadline = time.monotonic() + timeout_s
+        if died or time.monotonic() > (start_deadline if deadline is None else deadline):
             _dump_stacks(procs)
             failures = {
                 rank: RankFailure(rank, "died", f"exited with code {code} before returning", "")
@@ -233,11 +250,14 @@ def _wait(
             }
             for rank in range(len(procs)):
                 if rank not in died and not _result_file(directory, rank).exists():
-                    what = (
-                        f"still running when rank(s) {sorted(died)} died"
-                        if died
-                        else f"did not return within {timeout_s:g} s"
-                    )
+                    if died:
+                        what = f"still running when rank(s) {sorted(died)} died"
+                    elif not ready[rank]:
+                        what = (
+                            f"did not start (imports, joining the world) in {start_timeout_s:g} s"
+                        )
+                    else:
+                        what = f"did not return within {timeout_s:g} s"
                     failures[rank] = RankFailure(rank, "hung", what, "")
             return {
                 rank: RankFailure(f.rank, f.kind, f.message, _details(directory, rank))
@@ -253,6 +273,7 @@ def run_two_stage(
     *,
     args: Sequence[Any] = (),
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
 ) -> list[Any]:
     """Run ``function(stage, *args)`` on both ranks of a fresh two-stage gloo world (``pp=2``,
     ``parallel_state`` initialised, clean trackers, ``torch.cuda.current_device()`` answering
@@ -261,9 +282,9 @@ def run_two_stage(
     ``function`` is a top-level function of an importable module (or ``"module:name"``, or
     ``"path/to/file.py:name"``): each rank is a new interpreter that imports it (with this
     process's ``sys.path``). ``args`` and the results travel pickled. Raises `TwoStageError`
-    when a rank raises (its traceback), dies, or has not returned after ``timeout_s`` (its
-    Python stack at that moment); both processes are killed and reaped and the temp dir is
-    removed on every outcome.
+    when a rank raises (its traceback), dies, is not in the world after ``start_timeout_s``, or
+    has not returned ``timeout_s`` after both ranks were (its Python stack at that moment);
+    both processes are killed and reaped and the temp dir is removed on every outcome.
     """
     ref = _FunctionRef.of(function)
     payload = pickle.dumps(tuple(args))
@@ -273,8 +294,8 @@ def run_two_stage(
         Path(directory, "args.pkl").write_bytes(payload)
         spec = {
             "function": dataclasses.asdict(ref),
-            "sys_path": [p for p in sys.path if p],
-            "timeout_s": timeout_s,
+            "sys_path": [p or os.getcwd() for p in sys.path],
+            "timeout_s": timeout_s + start_timeout_s,
             "controller_pid": os.getpid(),
         }
         Path(directory, "spec.json").write_text(json.dumps(spec), encoding="utf-8")
@@ -290,7 +311,7 @@ def run_two_stage(
                         env={**os.environ, "OMP_NUM_THREADS": "1"},
                     )
                 )
-        failures = _wait(procs, directory, timeout_s)
+        failures = _wait(procs, directory, timeout_s, start_timeout_s)
         results: dict[int, Any] = {}
         for rank in range(2):
             if rank in failures:

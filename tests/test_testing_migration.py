@@ -77,14 +77,16 @@ def outcomes(junit: Path) -> Outcomes:
     return found
 
 
-def measure(tree: Path, tmp: Path, timeout: float) -> Outcomes:
+def measure(tree: Path, tmp: Path, bounds: Bounds) -> Outcomes:
     junit = tree / "junit.xml"
+    start, timeout = bounds(6, 180), bounds(2, 30)
     run_bounded(
         [sys.executable, "-m", "pytest", "-q", *plugin_arguments(), f"--junitxml={junit}",
-         "--pipemetrics-world-timeout", str(timeout), "tests"],
+         "--pipemetrics-world-timeout", str(timeout),
+         "--pipemetrics-world-start-timeout", str(start), "tests"],
         cwd=tree,
         env={**os.environ, "TMPDIR": str(tmp)},
-        timeout=timeout * 2,
+        timeout=2 * (start + timeout),
     )  # fmt: skip
     assert junit.is_file(), f"no JUnit report in {tree}"
     return outcomes(junit)
@@ -108,10 +110,9 @@ def stated(guide: str) -> dict[tuple[str, str], tuple[int, int]]:
 
 def test_the_guide_states_what_the_migration_measures(tmp_path: Path, bounds: Bounds) -> None:
     guide = GUIDE.read_text(encoding="utf-8")
-    timeout = bounds(6, 150)
     with private_tmpdir() as tmp, ThreadPoolExecutor(max_workers=2) as pool:
         trees = [adopter_tree(tmp_path, implementation) for implementation in IMPLEMENTATIONS]
-        futures = [pool.submit(measure, tree, tmp, timeout) for tree in trees]
+        futures = [pool.submit(measure, tree, tmp, bounds) for tree in trees]
         measured = dict(zip(IMPLEMENTATIONS, (f.result() for f in futures), strict=True))
         assert_no_leftovers(tmp, bounds(0.1, 2))
     for (test_set, implementation), (passing, total) in stated(guide).items():
