@@ -75,8 +75,19 @@ def _parser() -> argparse.ArgumentParser:
 
     add_prove_arguments(prove)
 
-    vendor = sub.add_parser("vendor", help="write the reference as one file to vendor")
-    vendor.add_argument("dest", help="file (or directory) to write the reference module to")
+    vendor = sub.add_parser(
+        "vendor", help="write the reference as one file to vendor, or check such a file"
+    )
+    what = vendor.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "dest", nargs="?", help="file (or directory) to write the reference module to"
+    )
+    what.add_argument(
+        "--check",
+        metavar="FILE",
+        help="exit 0 when FILE is what `vendor` writes for its header's destination, 1 on "
+        "drift (naming the first differing line), 2 when FILE is not a vendored copy",
+    )
     return parser
 
 
@@ -104,9 +115,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return prove_main(args)
     if args.command == "vendor":
-        from pipemetrics.properties.vendor import vendor_main
+        from pipemetrics.properties.vendor import check_main, vendor_main
 
-        return vendor_main(args.dest)
+        return vendor_main(args.dest) if args.check is None else check_main(args.check)
     from pipemetrics.sim.demo import demo_main
 
     return demo_main(impl=args.impl, load_timeout_s=args.load_timeout)

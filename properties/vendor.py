@@ -1,23 +1,35 @@
-"""``pipemetrics vendor DEST``: write the reference as one self-contained file to copy into a tree.
+"""``pipemetrics vendor DEST``: write the reference as one self-contained file to copy into a tree;
+``pipemetrics vendor --check FILE``: whether such a file is still what ``vendor`` writes.
 
 The file is the text of ``pipemetrics/reference/megatron_common.py`` unchanged, behind a header
-comment that names the pipemetrics version, the megatron-core range the reference is tested
-against, and the command that regenerates the file (no date, so regenerating an unchanged
-reference gives a byte-identical file). Nothing here imports torch or megatron-core.
+comment that names the pipemetrics version, the sha256 of the reference text, the megatron-core
+range the reference is tested against, the command that regenerates the file and the command
+that checks it has not drifted (no date, so regenerating an unchanged reference gives a
+byte-identical file). ``--check`` reads the destination the header declares, writes the text
+``vendor`` would write for it in memory and compares: exit 0 when identical, 1 on drift (the
+first differing line, both texts, and whether the copy was edited or comes from another
+reference), 2 when the file cannot be read or has no vendored header. Nothing here imports torch
+or megatron-core.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import importlib.util
 import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import NamedTuple
 
 MODULE_FILE = "megatron_common.py"
 _EXIT_OK = 0
+_EXIT_DRIFT = 1
 _EXIT_USAGE = 2
+_FIRST_LINE = "# Vendored from pipemetrics "
+_DIGEST_LINE = "# Reference sha256: "
+_REGENERATE_LINE = "#     pipemetrics vendor "
 
 
 def reference_path() -> Path:
@@ -50,15 +62,23 @@ def pipemetrics_version() -> str:
         return "unknown"
 
 
-def header(shown_dest: str, *, version: str, megatron_range: str) -> str:
+def source_digest(source: str) -> str:
+    """sha256 of the reference text (UTF-8), as the header states it."""
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()
+
+
+def header(shown_dest: str, *, version: str, digest: str, megatron_range: str) -> str:
     lines = [
-        f"# Vendored from pipemetrics {version}: pipemetrics.reference.megatron_common.",
+        f"{_FIRST_LINE}{version}: pipemetrics.reference.megatron_common.",
+        f"{_DIGEST_LINE}{digest}",
         f"# Tested against megatron-core {megatron_range}. Under another release it warns once",
         "# (UntestedMegatronCoreWarning) and carries on when every megatron-core API it uses is",
         "# present; it raises UnsupportedMegatronCoreError, naming the API, when one is missing.",
         "# Do not edit by hand. Regenerate with:",
-        f"#     pipemetrics vendor {shown_dest}",
-        "# and check this copy with:",
+        f"{_REGENERATE_LINE}{shown_dest}",
+        "# check that this copy has not drifted (exit 1 names the first differing line) with:",
+        f"{_REGENERATE_LINE}--check {shown_dest}",
+        "# and check its behaviour with:",
         f"#     pipemetrics check --impl {shown_dest}",
     ]
     return "\n".join(lines) + "\n"
@@ -89,9 +109,112 @@ def resolve_dest(dest: str) -> Path:
 def vendored_text(shown_dest: str) -> str:
     source = reference_path().read_text(encoding="utf-8")
     return (
-        header(shown_dest, version=pipemetrics_version(), megatron_range=supported_range(source))
+        header(
+            shown_dest,
+            version=pipemetrics_version(),
+            digest=source_digest(source),
+            megatron_range=supported_range(source),
+        )
         + source
     )
+
+
+_CHECK_IMPL_LINE = "#     pipemetrics check --impl "
+
+
+class VendoredHeader(NamedTuple):
+    """What a vendored file's header declares (``None``: that line is missing or edited)."""
+
+    version: str | None
+    digest: str | None
+    dest: str | None
+    length: int  # lines of the header: the reference text starts after them
+
+
+def read_header(text: str) -> VendoredHeader:
+    """The header ``vendor`` wrote at the top of ``text``, read so that one edited line still
+    leaves it recognisable (its first line, its sha256 line and three lines naming the
+    destination are each enough); ``ValueError`` when ``text`` has none of them."""
+    version = digest = None
+    dests: dict[str, str] = {}
+    length = 0
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.startswith("#"):
+            break
+        length = number
+        if number == 1 and line.startswith(_FIRST_LINE):
+            version = line.removeprefix(_FIRST_LINE).split(":", 1)[0]
+        elif line.startswith(_DIGEST_LINE):
+            digest = line.removeprefix(_DIGEST_LINE).strip()
+        elif line.startswith(f"{_REGENERATE_LINE}--check "):
+            dests.setdefault("check", line.removeprefix(f"{_REGENERATE_LINE}--check ").strip())
+        elif line.startswith(_REGENERATE_LINE):
+            dests.setdefault("vendor", line.removeprefix(_REGENERATE_LINE).strip())
+        elif line.startswith(_CHECK_IMPL_LINE):
+            dests.setdefault("impl", line.removeprefix(_CHECK_IMPL_LINE).strip())
+    dest = next((dests[k] for k in ("vendor", "check", "impl") if k in dests), None)
+    if version is None and digest is None and dest is None:
+        raise ValueError("no header written by `pipemetrics vendor` at the top of the file")
+    return VendoredHeader(version=version, digest=digest, dest=dest, length=length)
+
+
+def first_difference(actual: str, expected: str) -> tuple[int, str, str] | None:
+    """The first line (1-based) where the two texts differ, with both lines (``<end of file>``
+    past the end of one); ``None`` when the texts are identical."""
+    if actual == expected:
+        return None
+    ours, theirs = actual.splitlines(keepends=True), expected.splitlines(keepends=True)
+    for number in range(1, max(len(ours), len(theirs)) + 1):
+        a = ours[number - 1] if number <= len(ours) else "<end of file>"
+        b = theirs[number - 1] if number <= len(theirs) else "<end of file>"
+        if a != b:
+            return number, a, b
+    raise AssertionError("unreachable: different texts with the same lines")
+
+
+def _why(declared: VendoredHeader, text: str) -> str:
+    """Which part drifted: the header, the reference text, or neither (another reference)."""
+    body = source_digest("".join(text.splitlines(keepends=True)[declared.length :]))
+    if body == source_digest(reference_path().read_text(encoding="utf-8")):
+        if declared.digest is None:
+            return (
+                "the header has no sha256 line (vendored by an older pipemetrics, or edited); "
+                "the reference text is intact"
+            )
+        return "the header was edited (the reference text is intact)"
+    if body == declared.digest:
+        return (
+            f"the copy is unedited but vendored from another reference (pipemetrics "
+            f"{declared.version}, installed {pipemetrics_version()}): regenerate it with "
+            f"`pipemetrics vendor {declared.dest}`"
+        )
+    return "the reference text was edited after vendoring (its sha256 is not the header's)"
+
+
+def check_main(path: str) -> int:
+    """``pipemetrics vendor --check FILE``: 0 when FILE is what ``vendor`` writes for the
+    destination its header declares (FILE itself when no line declares one), 1 on drift, 2
+    when FILE is unreadable or has no vendored header."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        declared = read_header(text)
+        expected = vendored_text(declared.dest or _shown(Path(path)))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        print(f"pipemetrics vendor --check: {path}: {exc}", file=sys.stderr)
+        return _EXIT_USAGE
+    difference = first_difference(text, expected)
+    if difference is None:
+        digest = source_digest(reference_path().read_text(encoding="utf-8"))
+        print(f"{path}: up to date (pipemetrics {declared.version}, sha256 {digest[:12]})")
+        return _EXIT_OK
+    number, found, wanted = difference
+    print(
+        f"{path}:{number}: drift: {_why(declared, text)}\n"
+        f"  found:    {found.rstrip(chr(10))!r}\n"
+        f"  expected: {wanted.rstrip(chr(10))!r}",
+        file=sys.stderr,
+    )
+    return _EXIT_DRIFT
 
 
 def vendor_main(dest: str) -> int:

@@ -1,4 +1,5 @@
-"""``pipemetrics vendor DEST``: one self-contained file that imports and runs outside the checkout.
+"""``pipemetrics vendor DEST``: one self-contained file that imports and runs outside the checkout;
+``pipemetrics vendor --check FILE``: detects any edit of such a file.
 
 The vendored copy is written to a temp dir (never under the repo), imported from there by path,
 run in a real gloo world by the simulator (first stage without MoE, the case that hangs naive
@@ -7,6 +8,7 @@ copies), and checked by ``pipemetrics check --impl`` in a subprocess with a hard
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.properties import vendor as vendor_module
 from pipemetrics.properties.cli import main as cli_main
 from pipemetrics.properties.vendor import reference_path
 from pipemetrics.properties.verdict import judge_run
@@ -51,6 +54,9 @@ def test_vendor_writes_one_file_with_a_header(tmp_path: Path) -> None:
     assert f"pipemetrics {version('pipemetrics')}" in head
     assert f"megatron-core {mc.SUPPORTED_MEGATRON_CORE}" in head
     assert "pipemetrics vendor common.py" in head  # the command that regenerates it
+    assert "pipemetrics vendor --check common.py" in head  # the command that checks it
+    digest = hashlib.sha256(reference_path().read_bytes()).hexdigest()
+    assert f"# Reference sha256: {digest}\n" in head
     assert all(line.startswith("#") for line in head.splitlines())
     assert '"""' + body == reference_path().read_text(encoding="utf-8")
     # date-free: regenerating gives the same bytes
@@ -80,6 +86,150 @@ def test_vendor_refuses_a_missing_parent(tmp_path: Path, bounds: Bounds, dest: s
     assert proc.returncode == 2, proc.stderr
     assert "does not exist" in proc.stderr
     assert not (tmp_path / "missing").exists()
+
+
+def check(path: Path | str, cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    capsys.readouterr()  # what came before
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        code = cli_main(["vendor", "--check", str(path)])
+    finally:
+        os.chdir(before)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_check_accepts_a_fresh_copy_wherever_it_lies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, written = vendor("common.py", tmp_path)
+    assert code == 0
+    assert check("common.py", tmp_path, capsys) == (0, f"common.py: up to date (pipemetrics "
+        f"{vendor_module.pipemetrics_version()}, sha256 "
+        f"{hashlib.sha256(reference_path().read_bytes()).hexdigest()[:12]})\n")  # fmt: skip
+    # moved: the header's destination is what it is compared against, not the path
+    (tmp_path / "elsewhere").mkdir()
+    moved = written.rename(tmp_path / "elsewhere" / "renamed.py")
+    assert check(moved, REPO, capsys)[0] == 0
+
+
+def _edit_one_character(text: str, line: int) -> str:
+    lines = text.splitlines(keepends=True)
+    target = lines[line - 1]
+    index = next(i for i, c in enumerate(target) if c.isalnum())
+    swapped = "x" if target[index] != "x" else "y"
+    lines[line - 1] = target[:index] + swapped + target[index + 1 :]
+    return "".join(lines)
+
+
+@pytest.mark.parametrize(
+    ("where", "why"),
+    [
+        ("body", "the reference text was edited after vendoring"),
+        ("last", "the reference text was edited after vendoring"),
+        ("first", "the header was edited (the reference text is intact)"),
+        ("digest", "the header has no sha256 line (vendored by an older pipemetrics, or edited)"),
+        ("regenerate", "the header was edited (the reference text is intact)"),
+        ("command", "the header was edited (the reference text is intact)"),
+    ],
+)
+def test_check_detects_a_one_character_edit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, why: str
+) -> None:
+    code, written = vendor("common.py", tmp_path)
+    assert code == 0
+    text = written.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    line = {
+        "body": next(i for i, t in enumerate(lines, 1) if t.startswith("def get_moe_metrics(")),
+        "last": len(lines),
+        "first": 1,
+        "digest": 2,
+        "regenerate": next(
+            i for i, t in enumerate(lines, 1) if t.startswith("#     pipemetrics vendor")
+        ),
+        "command": next(i for i, t in enumerate(lines, 1) if "vendor --check" in t),
+    }[where]
+    edited = _edit_one_character(text, line)
+    assert edited != text and len(edited) == len(text)
+    written.write_text(edited, encoding="utf-8")
+    code, output = check("common.py", tmp_path, capsys)
+    assert code == 1, output
+    assert output.startswith(f"common.py:{line}: drift: {why}"), output
+    assert f"found:    {edited.splitlines()[line - 1]!r}" in output
+    assert f"expected: {text.splitlines()[line - 1]!r}" in output
+
+
+def test_check_on_a_truncated_copy_names_the_end_of_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, written = vendor("common.py", tmp_path)
+    text = written.read_text(encoding="utf-8")
+    written.write_text(text.rsplit("\n", 2)[0] + "\n", encoding="utf-8")  # last line gone
+    code, output = check(written, tmp_path, capsys)
+    assert code == 1
+    assert f":{len(text.splitlines())}: drift:" in output
+    assert "found:    '<end of file>'" in output
+
+
+def test_check_tells_an_unedited_copy_of_another_reference(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy vendored from an older reference differs from what the installed one writes:
+    drift, and the message says to regenerate rather than that someone edited it."""
+    older = tmp_path / "older" / "megatron_common.py"
+    older.parent.mkdir()
+    older.write_text(reference_path().read_text(encoding="utf-8") + "# older\n", "utf-8")
+    installed = reference_path()
+    monkeypatch.setattr(vendor_module, "reference_path", lambda: older)
+    assert vendor("common.py", tmp_path)[0] == 0
+    monkeypatch.setattr(vendor_module, "reference_path", lambda: installed)
+    code, output = check("common.py", tmp_path, capsys)
+    assert code == 1
+    assert "the copy is unedited but vendored from another reference" in output
+    assert "regenerate it with `pipemetrics vendor common.py`" in output
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "No such file or directory"),
+        ("import torch\n", "no header written by `pipemetrics vendor`"),
+        ("# a comment\nimport torch\n", "no header written by `pipemetrics vendor`"),
+        (b"\xff\xfe", "can't decode"),
+    ],
+)  # fmt: skip
+def test_check_refuses_what_is_not_a_vendored_copy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | bytes | None, message: str
+) -> None:
+    path = tmp_path / "common.py"
+    if isinstance(content, str):
+        path.write_text(content, encoding="utf-8")
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    code, output = check(path, tmp_path, capsys)
+    assert code == 2
+    assert message in output and str(path) in output
+
+
+def test_check_exit_codes_from_the_command_line(tmp_path: Path, bounds: Bounds) -> None:
+    assert vendor("common.py", tmp_path)[0] == 0
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*CLI, "vendor", *args], cwd=tmp_path, capture_output=True, text=True,
+            timeout=bounds(12, 120),
+        )  # fmt: skip
+
+    assert run("--check", "common.py").returncode == 0
+    written = tmp_path / "common.py"
+    written.write_text(_edit_one_character(written.read_text("utf-8"), 40), "utf-8")
+    drift = run("--check", "common.py")
+    assert drift.returncode == 1 and "common.py:40: drift" in drift.stderr
+    both = run("common.py", "--check", "common.py")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    assert run().returncode == 2
 
 
 @pytest.fixture(scope="module")
