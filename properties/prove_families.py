@@ -191,25 +191,26 @@ def magnitudes(bound: Bound) -> Iterator[AnyCase]:
                    routing=every_routing(), value_scale=scale)  # fmt: skip
 
 
-PROGRAM_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind, Arguments], ...] = (
-    (WorldSpec(pp=2), ("d", "m"), "moe", Arguments()),
-    (WorldSpec(), ("m",), "moe", Arguments(track_names="none")),
+PROGRAM_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind, Arguments, int], ...] = (
+    (WorldSpec(pp=2), ("d", "m"), "moe", Arguments(), PROGRAM_STEPS),
+    (WorldSpec(), ("m",), "moe", Arguments(track_names="none"), 2),
 )
-"""pp 2 with a stage without MoE layers (it holds names only through the pre-initialising call)
-and an MoE MTP layer (the MTP and MoE trackers both filled on the last stage); one rank without
-pre-initialisation (``track_names=None``: names reach the call only by being recorded, so they
-appear and disappear with training steps)."""
+"""(world, stages, MTP, arguments, most steps): pp 2 with a stage without MoE layers (it holds
+names only through the pre-initialising call) and an MoE MTP layer (the MTP and MoE trackers
+both filled on the last stage), up to 3 steps; one rank without pre-initialisation
+(``track_names=None``: names reach the call only by being recorded, so they appear and disappear
+with training steps), up to 2 steps."""
 
 
-def programs() -> list[tuple[StepPlan, ...]]:
-    """Every program of 1 to `PROGRAM_STEPS` steps whose steps each record or not and then
+def programs(most: int = PROGRAM_STEPS) -> list[tuple[StepPlan, ...]]:
+    """Every program of 1 to ``most`` steps whose steps each record or not and then
     make any calls in any order, the last step making at least one; a step that neither
     records nor calls is left out (the implementation cannot tell it from no step at all, so
     such a program is the shorter one, also enumerated)."""
     plans = [StepPlan(trains=t, calls=c) for t in (True, False) for c in STEP_CALLS
              if t or c]  # fmt: skip
     out = []
-    for length in range(1, PROGRAM_STEPS + 1):
+    for length in range(1, most + 1):
         for steps in itertools.product(plans, repeat=length):
             if steps[-1].calls:
                 out.append(tuple(steps))
@@ -217,10 +218,11 @@ def programs() -> list[tuple[StepPlan, ...]]:
 
 
 def step_programs(bound: Bound) -> Iterator[AnyCase]:
-    for (world, stages, mtp, args), program in itertools.product(PROGRAM_LAYOUTS, programs()):
+    for world, stages, mtp, args, most in PROGRAM_LAYOUTS:
         if fits(world, bound):
-            yield Case(family="programs", world=world, stages=stages, mtp=mtp,
-                       routing=every_routing(), program=program, arguments=args)  # fmt: skip
+            for program in programs(most):
+                yield Case(family="programs", world=world, stages=stages, mtp=mtp,
+                           routing=every_routing(), program=program, arguments=args)  # fmt: skip
 
 
 ARGUMENT_LAYOUTS: tuple[tuple[WorldSpec, tuple[StageText, ...], MtpKind], ...] = (
@@ -456,8 +458,8 @@ FAMILIES: tuple[Family, ...] = (
             "every step program of 1 to 3 steps: each step trains (every router and the MTP layer "
             "record) or is forward-only (nothing recorded), then calls none, one or both functions "
             "in either order; names appear and disappear between steps on every rank",
-            "in pp 2 (a stage without MoE layers, pre-initialised names, MoE MTP) and in one rank "
-            "without pre-initialisation (track_names None)",
+            "in pp 2 (a stage without MoE layers, pre-initialised names, MoE MTP), and up to 2 "
+            "steps in one rank without pre-initialisation (track_names None)",
         ),
     ),
     Family(
