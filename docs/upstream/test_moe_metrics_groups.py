@@ -52,7 +52,7 @@ def _expected(name, stage_size, dp_size):
         "seq_load_balancing_loss": total / dp_size,
         "global_load_balancing_loss": total,  # SUM over tp x dp x cp
         "z_loss": total / stage_size,  # AVG over tp x dp x cp
-    }.get(name, total / dp_size)
+    }.get(name, total / dp_size)  # MetricEntry's defaults: DP average only (run at tp = cp = 1)
     return reduced / NUM_LAYERS
 
 
