@@ -12,7 +12,8 @@ every rank then reports which ``moe_logging.py`` it imported, and the run fails 
 it is the one under DIR.
 
 Exit status: 0 when every rank passes, 1 when a rank fails, 3 when a rank imported another
-megatron-core, 124 on the deadline (every rank is killed first). The scratch tree is removed.
+megatron-core, 124 on the deadline, 128 + N on signal N (SIGTERM, SIGINT); every rank is killed
+first and the scratch tree removed.
 """
 
 import argparse
@@ -125,7 +126,13 @@ def run(nproc, megatron_root, timeout, pytest_args):
         shutil.rmtree(tree, ignore_errors=True)
 
 
+def _stop(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through run()'s cleanup: every rank is killed
+
+
 def main():
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--megatron-root", type=Path, default=None)
