@@ -1216,18 +1216,29 @@ def _agree_mtp(tracker: dict[str, Any], problem: str | None, distributed: bool) 
 
     One ``all_reduce(MAX)`` of 6 int64 per group of `_mtp_groups`, in that (global) order: the
     offending global rank + 1 (0 if none), a "layouts differ" flag, and the two halves of a
-    digest of `_describe_mtp`, plus their negations (max == -min: all equal). Both flags are
-    carried on to the later groups. Only on a problem, one ``all_gather_object`` over each group
-    that saw it, in the same order, to name every rank's keys. A rank with an unknown layout
-    enters the same rounds over the groups its tracker holds, so its peers learn of it instead
-    of waiting in the reduction. Without ``torch.distributed`` only ``problem`` is checked."""
+    digest of `_describe_mtp` and the number of groups, plus their negations (max == -min: all
+    equal). Both flags are carried on to the later groups. A tracker holds one group in every
+    Megatron release (``avg_group`` = data x context; dev's acceptance groups are the same);
+    with ``k`` distinct groups the pass runs ``k`` times (the later passes skip a group whose
+    members' layouts differ, whose members may hold different numbers of groups), so a flag
+    crosses ``k`` groups: enough for groups that are dimensions of one rank grid, as
+    ``parallel_state``'s are. Only on a problem, one ``all_gather_object`` over each group that
+    saw it, in the same order, to name every rank's keys. A rank with an unknown layout enters
+    the same rounds over the groups its tracker holds (under any key), so its peers learn of it
+    instead of waiting in the reduction. Without ``torch.distributed`` only ``problem`` is
+    checked."""
     me = dist.get_rank() if distributed else 0
     mine = _describe_mtp(tracker)
     groups = _mtp_groups(tracker) if distributed else []
     bad, differ = (me + 1 if problem else 0), 0
-    halves = _halves(hashlib.blake2b(mine.encode(), digest_size=8).digest())
-    seen = []
-    for group in groups:
+    digest = hashlib.blake2b(f"{mine} in {len(groups)} groups".encode(), digest_size=8).digest()
+    halves = _halves(digest)
+    seen: set[int] = set()  # indices into groups: the round saw a problem
+    split: set[int] = set()  # the layouts of the group's members differ
+    for index in [i for _ in groups for i in range(len(groups))]:
+        if index in split:
+            continue
+        group = groups[index]
         device = _local_device(_comm_device_type(dist.get_backend(group)))
         flags = torch.tensor(
             [bad, differ, *halves, *(-h for h in halves)], dtype=torch.int64, device=device
@@ -1236,12 +1247,14 @@ def _agree_mtp(tracker: dict[str, Any], problem: str | None, distributed: bool) 
         got = [int(v) for v in flags.tolist()]
         here = got[2] != -got[4] or got[3] != -got[5]
         if got[0] or got[1] or here:
-            seen.append(group)
+            seen.add(index)
+        if here:
+            split.add(index)
         bad, differ = max(bad, got[0]), max(differ, got[1], int(here))
     if not bad and not differ:
         return
     described: dict[int, tuple[str | None, str]] = {me: (problem, mine)}
-    for group in seen:
+    for group in (groups[index] for index in sorted(seen)):
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (me, problem, mine), group=group)
         described.update({rank: (why, text) for rank, why, text in gathered})

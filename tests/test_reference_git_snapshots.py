@@ -157,13 +157,13 @@ def test_unknown_layout_raises_naming_the_keys(tracker: dict[str, Any], named: s
 
 
 def _rank_main(
-    worker: str, rank: int, store: str, args: Any, results: Any
+    worker: str, rank: int, world: int, store: str, args: Any, results: Any
 ) -> None:  # pragma: no cover - runs in the spawned rank processes
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch.distributed as dist
 
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD, timeout=GLOO_TIMEOUT
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=GLOO_TIMEOUT
     )
     try:
         value: Any = WORKERS[worker](rank, args)
@@ -173,8 +173,8 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def run_world(worker: str, args: Any = None) -> dict[int, Any]:
-    """Run ``WORKERS[worker](rank, args)`` on every rank of a two-rank gloo world; return each
+def run_world(worker: str, args: Any = None, world: int = WORLD) -> dict[int, Any]:
+    """Run ``WORKERS[worker](rank, args)`` on every rank of a gloo world; return each
     rank's value. Fails the test when a rank crashes or any rank is still running after
     `WORLD_DEADLINE_S` (a hang); the rank processes never outlive this call."""
     ctx = mp.get_context("spawn")
@@ -182,18 +182,20 @@ def run_world(worker: str, args: Any = None) -> dict[int, Any]:
     with tempfile.TemporaryDirectory(prefix="pipemetrics-gitsnap-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_rank_main, args=(worker, rank, store, args, results), daemon=True)
-            for rank in range(WORLD)
+            ctx.Process(
+                target=_rank_main, args=(worker, rank, world, store, args, results), daemon=True
+            )
+            for rank in range(world)
         ]
         for proc in procs:
             proc.start()
         values: dict[int, Any] = {}
         deadline = time.monotonic() + WORLD_DEADLINE_S
         try:
-            while len(values) < WORLD:
+            while len(values) < world:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    missing = sorted(set(range(WORLD)) - set(values))
+                    missing = sorted(set(range(world)) - set(values))
                     pytest.fail(f"ranks {missing} still running after {WORLD_DEADLINE_S} s: hang")
                 try:
                     rank, value = results.get(timeout=min(left, 1.0))
@@ -331,6 +333,46 @@ def test_the_world_is_usable_after_the_errors(layout_results: Any) -> None:
         )
 
 
+def _grid_worker(rank: int, args: Any) -> dict[str, tuple[str, Any]]:
+    import torch.distributed as dist
+
+    # A 2 x 2 grid: reduce_group = "tensor" rows {0, 1}, {2, 3}; avg_group = "data" columns
+    # {0, 2}, {1, 3}. Every rank creates every group, in the same order.
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    row, column = rows[rank // 2], columns[rank % 2]
+    seen: dict[str, tuple[str, Any]] = {}
+    for name, unknown in (("unknown_on_rank_3", {3}), ("known_everywhere", set())):
+        if rank in unknown:
+            tracker = {"mystery_loss": torch.tensor([1.0]), "group_a": row, "group_b": column}
+        else:
+            tracker = _v019(column, [float(rank + 1)], reduce_group=row)
+        MTPLossLoggingHelper.tracker = tracker
+        try:
+            seen[name] = ("ok", get_mtp_metrics(1.0))
+        except ValueError as exc:
+            seen[name] = ("error", (str(exc), None))
+        dist.barrier()
+    return seen
+
+
+def test_unknown_layout_reaches_every_rank_of_a_grid_of_groups() -> None:
+    # Rank 0 shares no group with rank 3: it learns through rank 1 or 2, in the second pass.
+    results = run_world("grid", world=4)
+    errors = _errors(results, "unknown_on_rank_3")
+    for rank in (1, 2, 3):  # they share a group with rank 3: its keys are named
+        assert "rank 3: MTPLossLoggingHelper.tracker holds keys" in errors[rank]
+        assert "'mystery_loss'" in errors[rank]
+    assert "rank 3 (learned through another group)" in errors[0]
+    # loss: SUM over the row (1+2, 3+4), then AVG over the column: (3 + 7) / 2 on every rank;
+    # correct 1 and total 2 per rank, SUM over both: 4 of 8.
+    for seen in results.values():
+        assert seen["known_everywhere"] == (
+            "ok",
+            {"mtp_1_loss": 5.0, "mtp_1_acceptance_rate": 50.0},
+        )
+
+
 # ----------------------------------------------------------------------------- dev's own logging
 
 
@@ -426,5 +468,6 @@ def test_dev_layout_matches_devs_own_track_mtp_metrics() -> None:
 
 WORKERS: dict[str, Callable[[int, Any], Any]] = {
     "layouts": _layouts_worker,
+    "grid": _grid_worker,
     "dev": _dev_worker,
 }
