@@ -1084,95 +1084,325 @@ def get_moe_metrics(
 # --------------------------------------------------------------------------- MTP metrics
 
 
-#: ``MTPLossLoggingHelper.tracker`` layouts, newest first: (loss key, count keys, the helper's
-#: reduce method, its clean method). megatron-core 0.19 records loss and acceptance counts
-#: (``save_metrics_to_tracker``); 0.18 records the loss only (``save_loss_to_tracker``).
-_MTP_LAYOUTS: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+class _MtpLayout(NamedTuple):
+    """One ``MTPLossLoggingHelper.tracker`` layout: the releases that write it (a key of
+    `_MTP_REDUCERS`), the key that marks it, the key holding the loss once reduced, and whether
+    missing ``correct_values``/``total_values`` vectors count as Megatron's defaults (0
+    correct, 1 total) or as no acceptance counts at all."""
+
+    release: str
+    marker: str
+    loss_key: str
+    default_counts: bool
+
+
+#: The layouts, newest first (the first whose marker key the tracker holds is read). dev's
+#: training path (``save_loss_to_tracker(loss_sum, num_tokens, ...)``) keeps ``loss_sums``
+#: (and, with ``calculate_per_token_loss``, ``num_tokens``); its reduction writes the loss to
+#: ``values``. 0.19-0.20 (and dev's ``save_metrics_to_tracker``) keep ``loss_values``; 0.13-0.18
+#: keep ``values``. Acceptance counts: 0.19-0.20 ``correct_values``/``total_values``; dev packs
+#: them in ``acceptance_counts`` ([2, L], with their own groups).
+_MTP_LAYOUTS: tuple[_MtpLayout, ...] = (
+    _MtpLayout("megatron-core dev", "loss_sums", "values", False),
+    _MtpLayout("megatron-core 0.19-0.20", "loss_values", "loss_values", True),
+    _MtpLayout("megatron-core 0.13-0.18", "values", "values", False),
+)
+#: The helper's methods that reduce a layout, in ``track_mtp_metrics``' order, per release.
+_MTP_REDUCERS: dict[str, tuple[str, ...]] = {
+    "megatron-core dev": ("reduce_loss_in_tracker", "reduce_metrics_in_tracker"),
+    "megatron-core 0.19-0.20": ("reduce_metrics_in_tracker",),
+    "megatron-core 0.13-0.18": ("reduce_loss_in_tracker",),
+}
+#: The tensors a clean zeroes (every release's clean zeroes those of its layout).
+_MTP_CLEANED = (
+    "loss_sums",
+    "num_tokens",
+    "values",
+    "loss_values",
+    "correct_values",
+    "total_values",
+    "acceptance_counts",
+)
+#: Every key a layout above may hold: the tensors, their groups, and Megatron's bookkeeping
+#: (``track_mtp_metrics``' process-local cumulative counts, dev's mode flags).
+_MTP_KEYS = frozenset(
     (
-        "loss_values",
-        ("correct_values", "total_values"),
-        "reduce_metrics_in_tracker",
-        "clean_metrics_in_tracker",
-    ),
-    ("values", (), "reduce_loss_in_tracker", "clean_loss_in_tracker"),
+        *_MTP_CLEANED,
+        "reduce_group",
+        "avg_group",
+        "calculate_per_token_loss",
+        "acceptance_reduce_group",
+        "acceptance_avg_group",
+        "acceptance_collection_enabled",
+        "cumulative_correct_values",
+        "cumulative_total_values",
+        "cumulative_acceptance_counts",
+    )
 )
 
 
-def _reduce_mtp_tracker(
-    tracker: dict[str, Any], loss_key: str, count_keys: tuple[str, ...]
-) -> None:
-    """The helper's reduction, for a tracker layout the installed helper does not handle:
-    loss SUM over ``reduce_group`` then AVG over ``avg_group``; counts SUM over both."""
-    reduce_group, avg_group = tracker.get("reduce_group"), tracker.get("avg_group")
-    for key, avg_op in (
-        (loss_key, dist.ReduceOp.AVG),
-        *((k, dist.ReduceOp.SUM) for k in count_keys),
-    ):
-        if key not in tracker:
+def _classify_mtp(tracker: dict[str, Any]) -> tuple[_MtpLayout | None, str | None]:
+    """``(layout, None)`` for a layout this module reads; ``(None, None)`` for a tracker that
+    holds nothing (no tensor: empty, or the groups a clean left); ``(None, why)`` for a layout
+    it does not know: a key none of the layouts has, or tensors without a loss key."""
+    unknown = sorted(str(key) for key in tracker if key not in _MTP_KEYS)
+    layout = next((lay for lay in _MTP_LAYOUTS if lay.marker in tracker), None)
+    if not unknown and layout is not None:
+        return layout, None
+    if not unknown and not any(torch.is_tensor(v) for v in tracker.values()):
+        return None, None
+    why = f"unknown keys {unknown}" if unknown else "no loss key"
+    return None, f"holds keys {sorted(map(str, tracker))} ({why})"
+
+
+def _installed_mtp_release() -> str:
+    """Which layout the installed ``MTPLossLoggingHelper`` writes, by its save methods: dev's
+    ``save_loss_to_tracker`` takes ``num_tokens``; 0.19-0.20 have ``save_metrics_to_tracker``
+    (dev keeps it as a compatibility path); 0.13-0.18 only ``save_loss_to_tracker``."""
+    save = getattr(MTPLossLoggingHelper, "save_loss_to_tracker", None)
+    try:
+        per_token = save is not None and "num_tokens" in inspect.signature(save).parameters
+    except (TypeError, ValueError):
+        per_token = False
+    if per_token:
+        return _MTP_LAYOUTS[0].release
+    if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
+        return _MTP_LAYOUTS[1].release
+    return _MTP_LAYOUTS[2].release
+
+
+def _describe_mtp(tracker: dict[str, Any]) -> str:
+    """What ranks sharing a reduction group must agree on: every key with its tensor shape and
+    dtype, whether it holds a group, or its value (``acceptance_collection_enabled`` absent
+    counts as ``True``, as Megatron reads it)."""
+
+    def describe(value: Any) -> str:
+        if torch.is_tensor(value):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        if isinstance(value, torch.distributed.ProcessGroup):
+            return "group"
+        if value is None or isinstance(value, bool | int | float | str):
+            return repr(value)
+        return type(value).__name__
+
+    items = {
+        str(k): describe(v) for k, v in tracker.items() if k != "acceptance_collection_enabled"
+    }
+    items["acceptance_collection_enabled"] = repr(
+        bool(tracker.get("acceptance_collection_enabled", True))
+    )
+    return "{" + ", ".join(f"{k}: {v}" for k, v in sorted(items.items())) + "}"
+
+
+def _mtp_groups(tracker: dict[str, Any]) -> list[Any]:
+    """The distinct process groups of more than one rank that ``tracker`` holds under any key
+    (every group an MTP reduction may use), ordered by their global member ranks."""
+    found: dict[tuple[int, ...], Any] = {}
+    for value in tracker.values():
+        if isinstance(value, torch.distributed.ProcessGroup):
+            ranks = tuple(sorted(dist.get_process_group_ranks(value)))
+            if len(ranks) > 1:
+                found.setdefault(ranks, value)
+    return [found[ranks] for ranks in sorted(found)]
+
+
+_KNOWN_MTP_LAYOUTS = ", ".join(f"{lay.marker!r} ({lay.release})" for lay in _MTP_LAYOUTS)
+
+
+def _agree_mtp(tracker: dict[str, Any], problem: str | None, distributed: bool) -> None:
+    """Raise the same ``ValueError`` on every holder of the tracker's groups when any of them
+    holds a layout this module does not know (``problem``) or their layouts differ, before any
+    of them enters the reduction; return when all agree.
+
+    One ``all_reduce(MAX)`` of 6 int64 per group of `_mtp_groups`, in that (global) order: the
+    offending global rank + 1 (0 if none), a "layouts differ" flag, and the two halves of a
+    digest of `_describe_mtp` and the number of groups, plus their negations (max == -min: all
+    equal). Both flags are carried on to the later groups. A tracker holds one group in every
+    Megatron release (``avg_group`` = data x context; dev's acceptance groups are the same);
+    with ``k`` distinct groups the pass runs ``k`` times (the later passes skip a group whose
+    members' layouts differ, whose members may hold different numbers of groups), so a flag
+    crosses ``k`` groups: enough for groups that are dimensions of one rank grid, as
+    ``parallel_state``'s are. Only on a problem, one ``all_gather_object`` over each group that
+    saw it, in the same order, to name every rank's keys. A rank with an unknown layout enters
+    the same rounds over the groups its tracker holds (under any key), so its peers learn of it
+    instead of waiting in the reduction. Without ``torch.distributed`` only ``problem`` is
+    checked."""
+    me = dist.get_rank() if distributed else 0
+    mine = _describe_mtp(tracker)
+    groups = _mtp_groups(tracker) if distributed else []
+    bad, differ = (me + 1 if problem else 0), 0
+    digest = hashlib.blake2b(f"{mine} in {len(groups)} groups".encode(), digest_size=8).digest()
+    halves = _halves(digest)
+    seen: set[int] = set()  # indices into groups: the round saw a problem
+    split: set[int] = set()  # the layouts of the group's members differ
+    for index in [i for _ in groups for i in range(len(groups))]:
+        if index in split:
             continue
-        if reduce_group is not None:
-            dist.all_reduce(tracker[key], group=reduce_group)
-        if avg_group is not None:
-            dist.all_reduce(tracker[key], group=avg_group, op=avg_op)
+        group = groups[index]
+        device = _local_device(_comm_device_type(dist.get_backend(group)))
+        flags = torch.tensor(
+            [bad, differ, *halves, *(-h for h in halves)], dtype=torch.int64, device=device
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        got = [int(v) for v in flags.tolist()]
+        here = got[2] != -got[4] or got[3] != -got[5]
+        if got[0] or got[1] or here:
+            seen.add(index)
+        if here:
+            split.add(index)
+        bad, differ = max(bad, got[0]), max(differ, got[1], int(here))
+    if not bad and not differ:
+        return
+    described: dict[int, tuple[str | None, str]] = {me: (problem, mine)}
+    for group in (groups[index] for index in sorted(seen)):
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (me, problem, mine), group=group)
+        described.update({rank: (why, text) for rank, why, text in gathered})
+    lines = [
+        f"rank {rank}: MTPLossLoggingHelper.tracker {why}, a layout this reference does not know"
+        for rank, (why, _) in sorted(described.items())
+        if why
+    ]
+    if bad and bad - 1 not in described:
+        lines.append(
+            f"rank {bad - 1} (learned through another group) holds an MTP tracker layout this "
+            "reference does not know"
+        )
+    if not lines:  # no unknown layout: the layouts of one group differ
+        lines.append(
+            "the MTP trackers of ranks sharing a reduction group differ, so their reductions "
+            "would not match: "
+            + "; ".join(f"rank {rank}: {text}" for rank, (_, text) in sorted(described.items()))
+        )
+    raise ValueError(
+        "get_mtp_metrics: "
+        + "; ".join(lines)
+        + f". Known layouts (by the key that marks them): {_KNOWN_MTP_LAYOUTS}. No rank "
+        "entered the MTP reduction"
+    )
+
+
+def _reduce_mtp_tracker(tracker: dict[str, Any], distributed: bool) -> None:
+    """Reduce the tracker in place as the helper of the release that wrote its layout does
+    (``track_mtp_metrics``' order); without ``torch.distributed`` only the local derivation.
+
+    1. dev's ``reduce_loss_in_tracker``: with ``calculate_per_token_loss``, ``cat([loss_sums,
+       num_tokens])`` SUM over ``reduce_group`` then SUM over ``avg_group``, and ``values =
+       loss_sums / num_tokens.clamp(min=1)``; else ``loss_sums`` SUM then AVG, ``values =
+       loss_sums``. 0.13-0.18's: ``values`` SUM then AVG.
+    2. ``reduce_metrics_in_tracker``: ``loss_values`` SUM then AVG (0.19-0.20, dev); dev's
+       ``acceptance_counts`` (if acceptance collection is enabled) SUM over
+       ``acceptance_reduce_group`` then SUM over ``acceptance_avg_group``; else 0.19-0.20's
+       ``correct_values``/``total_values`` SUM over ``reduce_group`` then over ``avg_group``.
+
+    A ``None`` group is skipped (e.g. after a clean)."""
+    sum_, avg = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+    def reduce(tensor: torch.Tensor, *steps: tuple[str, Any]) -> None:
+        for group_key, op in steps:
+            group = tracker.get(group_key)
+            if distributed and group is not None:
+                dist.all_reduce(tensor, group=group, op=op)
+
+    loss_steps = (("reduce_group", sum_), ("avg_group", avg))
+    if "loss_sums" in tracker:
+        if tracker.get("calculate_per_token_loss", False):
+            packed = torch.cat([tracker["loss_sums"], tracker["num_tokens"]])
+            reduce(packed, ("reduce_group", sum_), ("avg_group", sum_))
+            sums, tokens = packed.chunk(2)
+            tracker["values"] = sums / tokens.clamp(min=1)
+        else:
+            reduce(tracker["loss_sums"], *loss_steps)
+            tracker["values"] = tracker["loss_sums"]
+    elif "values" in tracker:
+        reduce(tracker["values"], *loss_steps)
+    if "loss_values" in tracker:
+        reduce(tracker["loss_values"], *loss_steps)
+    if "acceptance_counts" in tracker:
+        if tracker.get("acceptance_collection_enabled", True):
+            reduce(
+                tracker["acceptance_counts"],
+                ("acceptance_reduce_group", sum_),
+                ("acceptance_avg_group", sum_),
+            )
+        return
+    for key in ("correct_values", "total_values"):
+        if key in tracker:
+            reduce(tracker[key], ("reduce_group", sum_), ("avg_group", sum_))
 
 
 def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     """Reduce Megatron's MTP tracker and return per-MTP-layer loss and acceptance rate.
 
-    Works with both tracker layouts of the supported releases: megatron-core 0.19's
-    (``"loss_values"``, ``"correct_values"``, ``"total_values"``) and 0.18's (``"values"``: the
-    loss only, no acceptance counts). A rank whose ``MTPLossLoggingHelper.tracker`` holds
-    neither ``"loss_values"`` nor ``"values"`` returns ``{}`` without entering any collective
-    (callers gate on the last pipeline stage and broadcast from it: megatron-core records the
-    MTP loss and counts in ``process_mtp_loss`` under ``post_process``, on the last stage, in
-    every layout, also when a flexible layout runs the MTP layers standalone on an earlier
-    stage). Otherwise, when
-    ``torch.distributed`` is initialised, reduces with the installed helper's own method
-    (0.19 ``reduce_metrics_in_tracker``: loss SUM over ``reduce_group`` then AVG over
-    ``avg_group``, correct/total counts SUM over both; 0.18 ``reduce_loss_in_tracker``: the
-    loss alike; a ``None`` group is skipped, e.g. after a previous clean), so every rank
-    holding the tracker must call it.
+    Reads every tracker layout of the supported releases, decided by the keys the tracker
+    holds (never by the version string): megatron-core dev's training path (``loss_sums``,
+    ``num_tokens`` in per-token mode, acceptance counts packed in ``acceptance_counts`` with
+    their own groups), 0.19-0.20's (``loss_values``, ``correct_values``, ``total_values``; also
+    dev's ``save_metrics_to_tracker``) and 0.13-0.18's (``values``: the loss only). A rank whose
+    ``MTPLossLoggingHelper.tracker`` holds no tensor returns ``{}`` without entering any
+    collective (callers gate on the last pipeline stage and broadcast from it: megatron-core
+    records the MTP loss and counts in ``process_mtp_loss`` under ``post_process``, on the last
+    stage, in every layout, also when a flexible layout runs the MTP layers standalone on an
+    earlier stage).
+
+    A tracker with a key none of these layouts has, or tensors without a loss key, is a layout
+    this module does not know: ``ValueError`` naming the keys found. Before reducing, every
+    holder runs `_agree_mtp` over the groups its tracker holds (one fixed-size ``all_reduce`` per
+    distinct group, usually one: data x context), so an unknown layout on one rank, or ranks of
+    one group holding different layouts (e.g. ``calculate_per_token_loss`` on some only), makes
+    every holder of the group raise the same ``ValueError`` and none enter the reduction. Then,
+    when ``torch.distributed`` is initialised, the reduction of the release that wrote the
+    layout: the installed helper's own methods where it writes this layout (`_MTP_REDUCERS`:
+    ``track_mtp_metrics``' collectives exactly), else the same reduction written out
+    (`_reduce_mtp_tracker`), so every rank holding the tracker must call it.
 
     Returns, for each MTP layer ``i`` (1-based), ``"mtp_{i}_loss"`` = ``loss_scale *`` the
-    reduced loss and, with the 0.19 layout only, ``"mtp_{i}_acceptance_rate"`` =
-    ``100 * correct / max(total, 1)`` clamped to ``[0, 100]`` (never scaled); all Python
-    floats. Missing correct/total vectors count as 0 correct / 1 total (Megatron's defaults).
-    With megatron-core 0.18 there are no acceptance counts, so only the ``mtp_{i}_loss`` keys
-    are returned. The tracker is cleaned afterwards with the installed helper's method
-    (``clean_metrics_in_tracker`` / ``clean_loss_in_tracker``: values zeroed, groups set to
-    ``None``).
+    reduced loss (per-token mode: summed loss over summed tokens, as dev's ``track_mtp_metrics``
+    logs it) and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)`` clamped to
+    ``[0, 100]`` (never scaled); all Python floats. The rate is returned where the tracker holds
+    acceptance counts: 0.19-0.20's layout always (missing correct/total vectors count as 0 / 1,
+    Megatron's defaults); dev's when ``acceptance_counts`` exists and acceptance collection is
+    enabled (``MTPLossLoggingHelper.configure_acceptance_collection``): with collection off,
+    Megatron neither reduces nor logs the counts, so there is no rate to report and only the
+    ``mtp_{i}_loss`` keys are returned, as with 0.13-0.18. The tracker is cleaned afterwards as
+    every release's clean does (its loss and count tensors zeroed, ``reduce_group`` and
+    ``avg_group`` set to ``None``).
     """
     tracker = MTPLossLoggingHelper.tracker
-    layout = next((lay for lay in _MTP_LAYOUTS if lay[0] in tracker), None)
-    if layout is None:
+    layout, problem = _classify_mtp(tracker)
+    if layout is None and problem is None:
         return {}
-    loss_key, count_keys, reduce_name, clean_name = layout
+    distributed = dist.is_available() and dist.is_initialized()
+    _agree_mtp(tracker, problem, distributed)
+    assert layout is not None  # an unknown layout raised in _agree_mtp, on every holder
+    loss_key = layout.loss_key
     scale = _loss_scale_value(loss_scale)
-    if dist.is_available() and dist.is_initialized():
-        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)
-        if reduce is not None:
-            reduce()
-        else:
-            _reduce_mtp_tracker(tracker, loss_key, count_keys)
+    # dev packs the counts of its 0.19-style save_metrics_to_tracker too
+    release = _MTP_LAYOUTS[0].release if "acceptance_counts" in tracker else layout.release
+    if distributed and release == _installed_mtp_release():  # the helper wrote this layout
+        for reduce_name in _MTP_REDUCERS[release]:
+            getattr(MTPLossLoggingHelper, reduce_name)()
+    else:
+        _reduce_mtp_tracker(tracker, distributed)
     losses = tracker[loss_key].float() * (0.0 if scale is None else scale)
-    counted = bool(count_keys)
+    counted = layout.default_counts
     corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
     totals = tracker.get("total_values", torch.ones_like(losses)).float()
+    if "acceptance_counts" in tracker:  # dev: packed [correct, total], its own groups
+        counted = True
+        corrects, totals = tracker["acceptance_counts"].float()
+    counted = counted and bool(tracker.get("acceptance_collection_enabled", True))
     result: dict[str, Any] = {}
     for i in range(losses.numel()):
         result[f"mtp_{i + 1}_loss"] = float(losses[i])
         if counted:
             rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)
             result[f"mtp_{i + 1}_acceptance_rate"] = min(max(rate, 0.0), 100.0)
-    clean = getattr(MTPLossLoggingHelper, clean_name, None)
-    if clean is not None:
-        clean()
-    else:
-        for key in (loss_key, *count_keys):
-            if key in tracker:
-                tracker[key].zero_()
-        tracker["reduce_group"] = None
-        tracker["avg_group"] = None
+    for key in _MTP_CLEANED:
+        if key in tracker:
+            tracker[key].zero_()
+    tracker["reduce_group"] = None
+    tracker["avg_group"] = None
     if scale is None:  # raised after the reduction: the other holders are not left waiting
         raise ValueError(
             "get_mtp_metrics: loss_scale must be a real number, a numpy scalar or a one-element "

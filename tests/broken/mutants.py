@@ -146,9 +146,9 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n",
+                "    for key in _MTP_CLEANED:\n",
                 "    get_moe_metrics_tracker().clear()  # a new step starts: reset every tracker\n"
-                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n",
+                "    for key in _MTP_CLEANED:\n",
             ),
         ),
         fails=("steps.interleaved",),
@@ -738,12 +738,12 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    if dist.is_available() and dist.is_initialized():\n"
-                "        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)\n",
-                "    logging_rank = dist.is_available() and dist.is_initialized() and "
-                "dist.get_rank() == dist.get_world_size() - 1\n"
-                "    if logging_rank:  # only the rank that logs needs the reduced values\n"
-                "        reduce = getattr(MTPLossLoggingHelper, reduce_name, None)\n",
+                "    if distributed and release == _installed_mtp_release():  # the helper wrote "
+                "this layout\n",
+                "    logging_rank = distributed and dist.get_rank() == dist.get_world_size() - 1\n"
+                "    if distributed and not logging_rank:  # only the rank that logs needs them\n"
+                "        pass\n"
+                "    elif distributed and release == _installed_mtp_release():\n",
             ),
         ),
         fails=("mtp.no_hang",),
@@ -760,15 +760,11 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    clean = getattr(MTPLossLoggingHelper, clean_name, None)\n"
-                "    if clean is not None:\n"
-                "        clean()\n"
-                "    else:\n"
-                "        for key in (loss_key, *count_keys):\n"
-                "            if key in tracker:\n"
-                "                tracker[key].zero_()\n"
-                '        tracker["reduce_group"] = None\n'
-                '        tracker["avg_group"] = None\n',
+                "    for key in _MTP_CLEANED:\n"
+                "        if key in tracker:\n"
+                "            tracker[key].zero_()\n"
+                '    tracker["reduce_group"] = None\n'
+                '    tracker["avg_group"] = None\n',
                 "    # Megatron's training loop cleans the tracker after logging\n",
             ),
         ),
