@@ -41,7 +41,13 @@ from pipemetrics.properties.prove_cases import (
 )
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.calls import NEW_GROUP
-from pipemetrics.sim.layout import AUX_LOSS_TYPES, RoutingType, WorldSpec, installed_router_routing
+from pipemetrics.sim.layout import (
+    AUX_LOSS_TYPES,
+    RoutingType,
+    WorldSpec,
+    installed_layout_takes_mtp,
+    installed_router_routing,
+)
 from pipemetrics.sim.topology import places_for
 
 MTPS: tuple[MtpKind, ...] = ("none", "dense", "moe")
@@ -381,6 +387,9 @@ FAMILY_NAMES = tuple(ENUMERATORS)
 
 
 def _reachable(case: Case, semantic: Semantic) -> bool:
+    flexible = case.vpp > 1 or case.mtp_rank is not None
+    if flexible and case.mtp != "none" and not installed_layout_takes_mtp():
+        return False  # 0.13's PipelineParallelLayerLayout refuses MTP layers
     try:
         setup = case.setup()
     except ValueError:
