@@ -13,6 +13,7 @@ the bound exactly once (the digest of every case key).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -153,11 +154,13 @@ def prove(
     report_dir: Path = Path("pipemetrics-report"),
     progress: Callable[[int, int, str], None] | None = None,
     functions: frozenset[str] | None = None,
+    pool: WorldPool | None = None,
 ) -> Certificate:
     """Run every case of ``shard`` of ``bound`` on ``target``; stop at the first failing case.
 
     ``functions``: the API functions the target defines (None: import it in a child process
     to find out, `pipemetrics.sim.probe.probe_target`); cases calling none of them are skipped.
+    ``pool``: live worlds to run in (of ``tier``; the caller closes it), else a pool of its own.
     """
     if functions is None:
         from pipemetrics.sim.probe import probe_target
@@ -169,7 +172,11 @@ def prove(
     counts: Counter[str] = Counter()
     judged = skipped = 0
     failure: Failure | None = None
-    with WorldPool(max_ranks=16, tier=tier) as pool:
+    with (
+        contextlib.nullcontext(pool)
+        if pool is not None
+        else WorldPool(max_ranks=16, tier=tier) as worlds
+    ):
         for index, case in enumerate(todo):
             properties = case.properties(bound, functions)
             if not properties:
@@ -178,7 +185,7 @@ def prove(
             if progress is not None:
                 progress(index, len(todo), case.key)
             scenario = case.scenario(target, bound, functions)
-            run = pool.run(scenario)
+            run = worlds.run(scenario)
             problems: dict[str, list[str]] = {}
             for property_id in properties:
                 found = BY_ID[property_id].judge(scenario.model_copy(

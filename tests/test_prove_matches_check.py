@@ -2,7 +2,8 @@
 ``check`` detects under its profile (tests/test_properties_mutants.py holds that) is disproven by
 ``prove`` at the default bound under the same profile, on a case whose failing properties concern
 a function the bug is in; and the reference and the false-positive control (tests/seed_letter, an
-implementation to the letter of the API document) are proven there.
+implementation to the letter of the API document, which needs megatron-core's MoEMetricsTracker:
+0.18+) are proven there.
 
 These run the default bound in full (the two proofs) or up to the first failing case (the
 mutants; cases run smallest world first), on the in-process tier: where the installed
@@ -11,6 +12,7 @@ megatron-core does not allow it (0.13-0.17), on the process tier.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,28 +20,42 @@ import pytest
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.prove import Bound, prove
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.pool import Tier
+from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.replay import replay_main
+from pipemetrics.sim.target import API_FUNCTIONS
 
 from .broken.mutants import MUTANTS, write_mutant
 from .test_properties_mutants import mutant_param
+from .test_seed_letter import NEEDS_CLASS_TRACKER, SEED_LETTER
 
 TIER: Tier = "process" if inprocess_unsupported() is not None else "inprocess"
-SEED_LETTER = Path(__file__).resolve().parent / "seed_letter" / "common.py"
 
 
-@pytest.mark.parametrize("target", ["pipemetrics.reference", str(SEED_LETTER)])
+@pytest.mark.parametrize(
+    "target", ["pipemetrics.reference", pytest.param(str(SEED_LETTER), marks=NEEDS_CLASS_TRACKER)]
+)
 def test_the_default_bound_proves_a_correct_implementation(tmp_path: Path, target: str) -> None:
     cert = prove(target, Bound(), tier=TIER, report_dir=tmp_path)
     assert cert.proven, cert.failure
     assert cert.cases["total"] == cert.cases_in_bound and not cert.coverage.absent
 
 
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[WorldPool]:
+    """One pool for every mutant's proof (a world runs any target: it loads it per task)."""
+    with WorldPool(max_ranks=16, tier=TIER) as pool:
+        yield pool
+
+
 @pytest.mark.parametrize("name", [mutant_param(n) for n in sorted(MUTANTS)])
-def test_prove_disproves_every_mutant_that_check_detects(tmp_path: Path, name: str) -> None:
+def test_prove_disproves_every_mutant_that_check_detects(
+    tmp_path: Path, worlds: WorldPool, name: str
+) -> None:
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
-    cert = prove(str(path), Bound(profile=mutant.profile), tier=TIER, report_dir=tmp_path / "r")
+    every = frozenset(API_FUNCTIONS)  # a mutant is the reference with one bug: all five
+    cert = prove(str(path), Bound(profile=mutant.profile), tier=TIER, functions=every,
+                 pool=worlds, report_dir=tmp_path / "r")  # fmt: skip
     assert not cert.proven and cert.failure is not None, f"{name}: proven at the default bound"
     concerned = {f for p in cert.failure.properties for f in BY_ID[p].functions}
     assert concerned & set(mutant.functions), (cert.failure.case, cert.failure.properties)
