@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -498,19 +498,21 @@ def _invalid_buffer(kind: Invalid, shape: list[int], dtype: str) -> BufferSpec:
 # -- single-rank functions ---------------------------------------------------------------------
 
 
-class TrackNamesCase(Frozen):
-    """One routing form of ``get_aux_loss_track_names``: every config object of it (a real
-    ``TransformerConfig``; an object with only the documented attributes) with every z-loss
-    setting, one call each."""
+class OneRankCase(Frozen):
+    """A case of a function that takes no group (`function`), judged by `property_id`: one
+    scenario of one rank whose single step makes every call of `calls`."""
 
-    family: Literal["track_names"] = "track_names"
-    routing_type: str | tuple[str, ...]
-    aux_loss_coeff: float | tuple[float, ...] | None
+    function: ClassVar[str]
+    property_id: ClassVar[str]
     world: WorldSpec = WorldSpec()
 
     @property
     def key(self) -> str:
-        return f"track_names|{self.routing_type!r}|{self.aux_loss_coeff!r}"
+        raise NotImplementedError
+
+    @property
+    def family(self) -> str:
+        raise NotImplementedError
 
     def order(self) -> Order:
         return (1, 0, family_rank(self.family), 0, 0, self.key)
@@ -520,10 +522,37 @@ class TrackNamesCase(Frozen):
         return [f"family:{self.family}"]
 
     def functions(self, bound: Bound) -> frozenset[str]:
-        return frozenset({TRACK_NAMES})
+        return frozenset({self.function})
 
     def properties(self, bound: Bound, defined: frozenset[str]) -> tuple[str, ...]:
-        return ("track_names.router_parity",) if TRACK_NAMES in defined else ()
+        return (self.property_id,) if self.function in defined else ()
+
+    def calls(self) -> list[CallSpec]:
+        raise NotImplementedError
+
+    def scenario(self, target: str, bound: Bound, defined: frozenset[str]) -> Scenario:
+        return Scenario(setup=Setup(layout=ModelLayout(num_layers=1)), target=target,
+                        steps=[Step(calls=self.calls())], deadline_s=DEADLINE_S,
+                        profile=bound.profile)  # fmt: skip
+
+
+class TrackNamesCase(OneRankCase):
+    """One routing form of ``get_aux_loss_track_names``: every config object of it (a real
+    ``TransformerConfig``; an object with only the documented attributes) with every z-loss
+    setting, one call each."""
+
+    function: ClassVar[str] = TRACK_NAMES
+    property_id: ClassVar[str] = "track_names.router_parity"
+    routing_type: str | tuple[str, ...]
+    aux_loss_coeff: float | tuple[float, ...] | None
+
+    @property
+    def family(self) -> str:
+        return "track_names"
+
+    @property
+    def key(self) -> str:
+        return f"track_names|{self.routing_type!r}|{self.aux_loss_coeff!r}"
 
     def configs(self) -> list[RouterConfig]:
         routing = self.routing_type
@@ -541,11 +570,8 @@ class TrackNamesCase(Frozen):
             out.append(RouterConfig(form="attributes", z_loss_attribute=False, **base))
         return out
 
-    def scenario(self, target: str, bound: Bound, defined: frozenset[str]) -> Scenario:
-        calls: list[CallSpec] = [TrackNamesCall(config=config) for config in self.configs()]
-        return Scenario(setup=Setup(layout=ModelLayout(num_layers=1)), target=target,
-                        steps=[Step(calls=calls)], deadline_s=DEADLINE_S,
-                        profile=bound.profile)  # fmt: skip
+    def calls(self) -> list[CallSpec]:
+        return [TrackNamesCall(config=config) for config in self.configs()]
 
 
 ROUND_UP_VALUES = range(0, 65)
@@ -554,41 +580,29 @@ LARGE_VALUES = (2**31, 2**53 - 1, 2**53 + 1, 2**62 - 1, 2**62)
 LARGE_MULTIPLES = (1, 3, 2**20 + 7, 2**40)
 
 
-class RoundUpCase(Frozen):
+class RoundUpCase(OneRankCase):
     """``_round_up_to_multiple`` for one ``multiple`` and every value of `ROUND_UP_VALUES`, or
     (``multiple`` None) every pair of `LARGE_VALUES` and `LARGE_MULTIPLES`."""
 
-    family: Literal["round_up"] = "round_up"
+    function: ClassVar[str] = ROUND_UP
+    property_id: ClassVar[str] = "round_up.least_multiple"
     multiple: int | None
-    world: WorldSpec = WorldSpec()
+
+    @property
+    def family(self) -> str:
+        return "round_up"
 
     @property
     def key(self) -> str:
         return f"round_up|multiple-{self.multiple if self.multiple is not None else 'large'}"
 
-    def order(self) -> Order:
-        return (1, 0, family_rank(self.family), 0, 0, self.key)
-
-    @property
-    def classes(self) -> list[str]:
-        return [f"family:{self.family}"]
-
-    def functions(self, bound: Bound) -> frozenset[str]:
-        return frozenset({ROUND_UP})
-
-    def properties(self, bound: Bound, defined: frozenset[str]) -> tuple[str, ...]:
-        return ("round_up.least_multiple",) if ROUND_UP in defined else ()
-
-    def scenario(self, target: str, bound: Bound, defined: frozenset[str]) -> Scenario:
+    def calls(self) -> list[CallSpec]:
         pairs: Iterable[tuple[int, int]] = (
             itertools.product(LARGE_VALUES, LARGE_MULTIPLES)
             if self.multiple is None
             else ((value, self.multiple) for value in ROUND_UP_VALUES)
         )
-        calls: list[CallSpec] = [RoundUpCall(value=v, multiple=m) for v, m in pairs]
-        return Scenario(setup=Setup(layout=ModelLayout(num_layers=1)), target=target,
-                        steps=[Step(calls=calls)], deadline_s=DEADLINE_S,
-                        profile=bound.profile)  # fmt: skip
+        return [RoundUpCall(value=v, multiple=m) for v, m in pairs]
 
 
 AnyCase = Case | BroadcastCase | TrackNamesCase | RoundUpCase

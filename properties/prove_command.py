@@ -204,10 +204,12 @@ def _print(cert: Certificate) -> None:
     scope = f"shard {k}/{n}: " if n > 1 else ""
     out.write(
         f"{cert.target}: {'PROVEN' if cert.proven else 'DISPROVEN'} for {scope}{total} of the "
-        f"{cert.cases_in_bound} cases of the bound ({cert.bound.describe()}), "
-        f"{cert.properties_judged} property judgements, {cert.seconds:.0f} s on the {cert.tier} "
-        "tier\n"
-    )
+        f"{cert.cases_in_bound} cases of the bound ({cert.bound.describe()})"
+        + (f", {cert.coverage.skipped} skipped (their functions are absent)"
+           if cert.coverage.skipped else "")
+        + f", {cert.properties_judged} property judgements, {cert.seconds:.0f} s on the "
+        f"{cert.tier} tier\n"
+    )  # fmt: skip
     out.write(f"  {cert.coverage.summary()}\n")
     classes = ", ".join(f"{key} {count}" for key, count in cert.cases.items() if key != "total")
     out.write(f"  cases by class: {classes}\n")
