@@ -1097,7 +1097,7 @@ def _megatron_call(call_cost: dict[str, dict[str, Any]]) -> str:
 
 
 def table(data: dict[str, Any]) -> str:
-    """The results as markdown tables, the README's."""
+    """The results as markdown tables, those of docs/measured.md."""
     machine = data["machine"]
     load = machine.get("loadavg_1min", {})
     through = data["throughput"]

@@ -5,7 +5,7 @@ Each finding is a replay file in ``tests/megatron_core_findings/`` (the minimal 
 ``report()`` returns on each rank. Two tests per finding:
 
 * ``test_finding_present``: the scenario, run against megatron-core, still shows the finding,
-  with the numbers the README states. It fails (so we notice, and update the README) the day a
+  with the numbers docs/findings.md states. It fails (so we notice, and update it) the day a
   megatron-core release fixes it.
 * ``test_finding_fixed``: the same scenario against ``fixed_report.py`` limited to the
   finding's names (the smallest change to megatron-core: an entry ``force_initialize`` creates
@@ -188,7 +188,7 @@ def test_finding_present(pool: TrackingPool, finding: Finding) -> None:
     fixed = not problems and all(v == pytest.approx(finding.expected) for v in got.values())
     assert not fixed, (
         f"megatron-core {version('megatron-core')} no longer shows the finding of "
-        f"{finding.file}: update the README's 'Findings in megatron-core' and this table"
+        f"{finding.file}: update docs/findings.md and this table"
     )
     assert got == pytest.approx(finding.values), got
     assert problems, f"{finding.property_id} holds although the values are {got}"

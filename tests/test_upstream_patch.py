@@ -8,7 +8,7 @@ the copy) and shows that it did:
 
 * the regression test (``docs/upstream/test_moe_metrics_groups.py``, 4 gloo ranks through
   ``docs/upstream/run_gloo.py``, which checks the module each rank imported) fails on the
-  released copy with the numbers of the README's findings and passes on the patched one;
+  released copy with the numbers of docs/findings.md and passes on the patched one;
 * every replay file of ``tests/megatron_core_findings/`` against the built-in target
   (``pipemetrics replay``) fails on the released copy with the finding's problems and passes
   on the patched one, every rank returning the right value; each copy's ``report()`` writes a
