@@ -9,12 +9,14 @@ exits with 130 (SIGINT) or 143 (SIGTERM).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pipemetrics.sim.interrupt import Interrupted, SignalGuard
 
@@ -168,5 +170,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def run() -> NoReturn:
+    """The ``pipemetrics`` command (and ``python -m pipemetrics.properties.cli``): `main`, then
+    exit. After a signal (exit 128 + signum) the exit handlers run (multiprocessing's removes
+    its temp dir) and the process ends with ``os._exit``, without the interpreter's teardown:
+    everything the command started has ended by then, and the teardown could crash on what the
+    interrupted code left half-done (a message being pickled when the signal landed:
+    "SystemError: deallocated BytesIO object has exported buffers", then SIGSEGV instead of
+    the exit code)."""
+    code = main()
+    if code >= 128:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
