@@ -561,20 +561,23 @@ def _nan_mean(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
 
 def _mtp_reduce_ranks(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     # Ranks 0 and 1 of 2 both hold the MTP tracker: which of them enter the helper's reduction
-    # (its collectives)? Patched with raising=False: megatron-core 0.18's helper lacks it.
+    # (its collectives)? The tracker is in the installed helper's own layout (the reference
+    # reduces that one with the helper's methods, `_MTP_REDUCERS`), and those methods record.
+    release = m._installed_mtp_release()
+    marker = next(lay.marker for lay in m._MTP_LAYOUTS if lay.release == release)
     seen = []
     for rank in (0, 1):
-        set_mtp_tracker([4.0], [1.0], [2.0])
+        if marker == "loss_values":
+            set_mtp_tracker([4.0], [1.0], [2.0])
+        else:
+            MTPLossLoggingHelper.tracker = {marker: torch.tensor([4.0]), "reduce_group": None,
+                                            "avg_group": None}  # fmt: skip
         calls: list[str] = []
-        mp.setattr(
-            MTPLossLoggingHelper,
-            "reduce_metrics_in_tracker",
-            functools.partial(calls.append, "reduce"),
-            raising=False,
-        )
+        for name in m._MTP_REDUCERS[release]:
+            mp.setattr(MTPLossLoggingHelper, name, functools.partial(calls.append, "reduce"))
         mp.setattr(m, "dist", FakeDist(rank, 2))
         m.get_mtp_metrics(1.0)
-        seen.append(calls)
+        seen.append(calls[:1])
         mp.undo()
     return seen
 
