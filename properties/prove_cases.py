@@ -25,8 +25,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from pipemetrics.properties.catalogue import BY_ID
-from pipemetrics.properties.strategies import Semantic, every_rank_records_every_name
+from pipemetrics.properties.catalogue import BROADCAST, BY_ID, MOE, MTP
+from pipemetrics.properties.strategies import (
+    KNOWN_NAMES,
+    SEED_LOSS_SCALE_FORMS,
+    Semantic,
+    every_rank_records_every_name,
+)
 from pipemetrics.properties.synthetic import step_records
 from pipemetrics.sim.calls import (
     NEW_GROUP,
@@ -54,9 +59,6 @@ from pipemetrics.sim.layout import (
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import broadcast_plan
 
-MOE = "get_moe_metrics"
-MTP = "get_mtp_metrics"
-BROADCAST = "broadcast_tensor"
 TRACK_NAMES = "get_aux_loss_track_names"
 ROUND_UP = "_round_up_to_multiple"
 LOSS_SCALE = 0.5
@@ -172,20 +174,11 @@ class Arguments(Frozen):
             return False  # seed: with MTP layers the call passes their count
         if semantic == "strict":
             return True
-        if self.form not in SEED_FORMS or self.track_names not in ("live", "none"):
+        if self.form not in SEED_LOSS_SCALE_FORMS or self.track_names not in ("live", "none"):
             return False
         if not every_rank_records_every_name(setup):
             return self.num_layers == "given" and self.track_names == "live"
         return True
-
-
-SEED_FORMS: tuple[LossScaleForm, ...] = ("float", "numpy.float64")
-STRICT_FORMS: tuple[LossScaleForm, ...] = (*SEED_FORMS, "numpy.float32", "tensor.float32",
-                                           "tensor.float64")  # fmt: skip
-
-
-def _forms(semantic: Semantic) -> tuple[LossScaleForm, ...]:
-    return STRICT_FORMS if semantic == "strict" else SEED_FORMS
 
 
 class Case(Frozen):
@@ -350,7 +343,6 @@ class Case(Frozen):
         )
 
 
-KNOWN_NAMES = ("z_loss", *TRACK_NAME_OF.values())
 MOE_PROPERTIES = ("moe.no_hang", "moe.values", "moe.rank_agreement", "moe.names", "moe.per_layer",
                   "moe.loss_scale", "moe.total_loss_dict", "moe.reset")  # fmt: skip
 MTP_PROPERTIES = ("mtp.no_hang", "mtp.keys", "mtp.loss_scale", "mtp.acceptance_rate", "mtp.reset")
@@ -404,8 +396,6 @@ SHAPES: Mapping[str, list[int]] = MappingProxyType(
     {"scalar": [], "empty": [0], "matrix": [2, 3], "transposed": [2, 3]}
 )
 Invalid = Literal["source_none", "shape", "dtype", "device"]
-BROADCAST_DTYPES = ("float32", "bfloat16", "bool", "int64", "float16", "float64", "int32", "uint8")
-"""Every dtype the samplers draw (`pipemetrics.properties.strategies.dtypes`)."""
 
 
 class BroadcastCase(Frozen):

@@ -12,12 +12,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 
+from pipemetrics.properties.catalogue import BROADCAST, MOE, MTP
 from pipemetrics.properties.prove_cases import (
-    BROADCAST,
-    BROADCAST_DTYPES,
     LOSS_SCALE,
-    MOE,
-    MTP,
     ROUND_UP,
     ROUND_UP_MULTIPLES,
     TRACK_NAMES,
@@ -39,7 +36,12 @@ from pipemetrics.properties.prove_cases import (
     TrackNamesCase,
     ZLoss,
 )
-from pipemetrics.properties.strategies import Semantic
+from pipemetrics.properties.strategies import (
+    DTYPES,
+    SEED_LOSS_SCALE_FORMS,
+    STRICT_LOSS_SCALE_FORMS,
+    Semantic,
+)
 from pipemetrics.sim.calls import NEW_GROUP
 from pipemetrics.sim.layout import (
     AUX_LOSS_TYPES,
@@ -244,11 +246,7 @@ def argument_forms(semantic: Semantic) -> list[Arguments]:
     without an argument), then, at the default scale, every combination of the structural
     arguments (``num_layers``, ``mtp_num_layers``, ``track_names``, per-layer logging,
     ``total_loss_dict``)."""
-    forms = (
-        ("float", "numpy.float64")
-        if semantic != "strict"
-        else ("float", "numpy.float64", "numpy.float32", "tensor.float32", "tensor.float64")
-    )
+    forms = STRICT_LOSS_SCALE_FORMS if semantic == "strict" else SEED_LOSS_SCALE_FORMS
     scaled = [Arguments(loss_scale=scale, form=form, mtp_default=default)
               for scale, form, default in itertools.product(ARGUMENT_SCALES, forms,
                                                             (False, True))]  # fmt: skip
@@ -315,7 +313,7 @@ INVALID_GROUPS: tuple[tuple[WorldSpec, str, tuple[int, ...] | None], ...] = (
 
 def broadcast_values(bound: Bound) -> Iterator[AnyCase]:
     for (world, role, members), dtype, shape, source, receivers in itertools.product(
-        VALUE_GROUPS, BROADCAST_DTYPES, _shapes(bound.profile, "empty"), (0, -1),
+        VALUE_GROUPS, DTYPES, _shapes(bound.profile, "empty"), (0, -1),
         ("none", "buffer"),
     ):  # fmt: skip
         if fits(world, bound):

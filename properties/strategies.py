@@ -605,10 +605,13 @@ def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> S
 # -- broadcast ---------------------------------------------------------------------------------
 
 
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bool", "int64", "float16", "float64", "int32",
+                           "uint8")  # fmt: skip
+"""Every dtype a broadcast draws."""
+
+
 def dtypes() -> st.SearchStrategy[str]:
-    return st.sampled_from(
-        ["float32", "bfloat16", "bool", "int64", "float16", "float64", "int32", "uint8"]
-    )
+    return st.sampled_from(DTYPES)
 
 
 def tensor_shapes() -> st.SearchStrategy[list[int]]:
