@@ -6,8 +6,9 @@ in a one-rank world of each backend (``nccl``, ``cpu:gloo,cuda:nccl``): megatron
 ``MoEMetricsTracker`` and ``MTPLossLoggingHelper`` filled with CUDA tensors through their own
 recording functions, then the reference's ``get_moe_metrics`` / ``get_mtp_metrics`` against
 megatron-core's own ``report()`` / ``track_mtp_metrics`` on the same records, and
-``broadcast_tensor`` of CPU and CUDA tensors. NCCL refuses two ranks on one GPU, so the
-multi-rank paths stay with the CPU tests.
+``broadcast_tensor`` of CPU and CUDA tensors; where the installed helper has the dev branch's
+per-token path (``save_loss_to_tracker``), the reference against ``track_mtp_metrics`` on it.
+NCCL refuses two ranks on one GPU, so the multi-rank paths stay with the CPU tests.
 
     python ci/device/nccl_reference.py reference/megatron_common.py
 
@@ -58,6 +59,27 @@ def fill_mtp(ps: Any) -> None:
         )  # fmt: skip
 
 
+def fill_mtp_per_token(ps: Any) -> None:
+    """The dev branch's per-token path: raw loss sums and token counts, packed acceptance."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    for layer in range(2):
+        MTPLossLoggingHelper.save_loss_to_tracker(
+            torch.tensor(6.0 + layer, device="cuda"), torch.tensor(4.0, device="cuda"), layer, 2,
+            correct=torch.tensor(3.0, device="cuda"), total=torch.tensor(4.0, device="cuda"),
+            avg_group=group, calculate_per_token_loss=True,
+        )  # fmt: skip
+
+
+def megatron_mtp() -> dict[str, float]:
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    totals: dict[str, Any] = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1.0, 1, None, None, totals)
+    return {k: float(v) for k, v in totals.items()}
+
+
 def megatron_moe() -> dict[str, float]:
     from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
@@ -106,8 +128,21 @@ def run(reference: Any, backend: str) -> list[tuple[str, str | None]]:
                 assert ours["mtp_1_loss"] == 0.375 and ours["mtp_2_loss"] == 0.875, ours
                 assert ours["mtp_1_acceptance_rate"] == 75.0, ours
                 tracker = MTPLossLoggingHelper.tracker
-                for key in ("loss_values", "correct_values", "total_values"):
-                    assert not tracker[key].any(), (key, tracker[key])
+                for key in ("loss_values", "correct_values", "total_values", "loss_sums"):
+                    if key in tracker:  # the keys of the installed helper's layout
+                        assert not tracker[key].any(), (key, tracker[key])
+
+            def mtp_per_token() -> None:
+                fill_mtp_per_token(ps)
+                ours = reference.get_mtp_metrics(1.0)
+                MTPLossLoggingHelper.tracker.clear()
+                fill_mtp_per_token(ps)
+                theirs = megatron_mtp()
+                MTPLossLoggingHelper.tracker.clear()
+                for layer in (1, 2):
+                    mine, megatron = ours[f"mtp_{layer}_loss"], theirs[f"mtp_{layer} loss"]
+                    assert abs(mine - megatron) < 1e-6, (layer, ours, theirs)
+                assert ours["mtp_1_acceptance_rate"] == 75.0, ours
 
             def broadcast(device: str) -> Callable[[], None]:
                 def body() -> None:
@@ -119,6 +154,9 @@ def run(reference: Any, backend: str) -> list[tuple[str, str | None]]:
 
             check("get_moe_metrics equals report() on CUDA records", moe)
             check("get_mtp_metrics on CUDA records", mtp)
+            if hasattr(MTPLossLoggingHelper, "save_loss_to_tracker"):
+                check("get_mtp_metrics equals track_mtp_metrics on per-token CUDA records",
+                      mtp_per_token)  # fmt: skip
             check("broadcast_tensor of a CUDA tensor", broadcast("cuda"))
             if "gloo" in backend:
                 check("broadcast_tensor of a CPU tensor", broadcast("cpu"))
