@@ -3,6 +3,13 @@
 
     .venv/bin/nox -f ci/noxfile.py                        # every release
     .venv/bin/nox -f ci/noxfile.py -s "tests(megatron='0.18.2')" -- -k vendor   # one, pytest args
+    .venv/bin/nox -f ci/noxfile.py -s "git(branch='dev')"  # megatron-core from a git snapshot
+
+``git(branch=...)`` runs the suite under megatron-core from a git branch: pipemetrics with its
+pinned dependencies, then the snapshot archive ``megatron-core-<branch>-<commit>.tar.gz`` from
+``$PIPEMETRICS_MEGATRON_GIT`` (default ``../shared/megatron-core-git``, beside the checkout)
+installed over it without dependencies (its version, 0.20.0 on main, is outside pipemetrics'
+declared range). The session skips, saying where it looked, when no archive is there.
 
 ``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub
 workflow runs it on a schedule. torch stays at the pinned default in every session, so the only
@@ -27,6 +34,11 @@ CONSTRAINTS = ROOT / "ci" / "constraints.txt"
 #: default, outside nox); the weekly workflow runs all.
 MEGATRON_CORE = ["0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
 OLDEST = MEGATRON_CORE[0]
+#: Megatron-LM branches whose snapshots ``git(branch=...)`` installs.
+GIT_BRANCHES = ["main", "dev"]
+GIT_ARCHIVES = Path(
+    os.environ.get("PIPEMETRICS_MEGATRON_GIT") or ROOT.parent / "shared" / "megatron-core-git"
+)
 #: nox points TMPDIR at the session's (deep) tmp dir; the worlds' unix sockets need a short one.
 HOST_TMPDIR = tempfile.gettempdir()
 _COPY_IGNORE = shutil.ignore_patterns(
@@ -64,14 +76,15 @@ def _env(session: nox.Session) -> dict[str, str]:
     return env
 
 
-@nox.session(python="3.12")
-@nox.parametrize("megatron", MEGATRON_CORE)
-def tests(session: nox.Session, megatron: str) -> None:
-    constraints = _constraints(session, megatron)
+def _install(session: nox.Session, constraints: Path) -> None:
+    """pipemetrics from a copy of the checkout, with ``constraints``."""
     source = Path(session.create_tmp()) / "src"
     shutil.rmtree(source, ignore_errors=True)
     shutil.copytree(ROOT, source, ignore=_COPY_IGNORE)
     session.install("-c", str(constraints), f"{source}[dev]")
+
+
+def _run_suite(session: nox.Session) -> None:
     session.run(
         "python", "-c",
         "from importlib.metadata import version as v; "
@@ -83,3 +96,24 @@ def tests(session: nox.Session, megatron: str) -> None:
         "python", "-m", "pytest", "-n", "2", "--dist", "loadfile", *(session.posargs or ["tests"]),
         env=_env(session),
     )  # fmt: skip
+
+
+@nox.session(python="3.12")
+@nox.parametrize("megatron", MEGATRON_CORE)
+def tests(session: nox.Session, megatron: str) -> None:
+    _install(session, _constraints(session, megatron))
+    _run_suite(session)
+
+
+@nox.session(python="3.12")
+@nox.parametrize("branch", GIT_BRANCHES)
+def git(session: nox.Session, branch: str) -> None:
+    archives = sorted(GIT_ARCHIVES.glob(f"megatron-core-{branch}-*.tar.gz"))
+    if len(archives) != 1:
+        session.skip(
+            f"expected one megatron-core-{branch}-<commit>.tar.gz in {GIT_ARCHIVES} "
+            f"(set PIPEMETRICS_MEGATRON_GIT), found {[a.name for a in archives]}"
+        )
+    _install(session, CONSTRAINTS)
+    session.install("--no-deps", str(archives[0]))
+    _run_suite(session)
