@@ -75,6 +75,7 @@ from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
+from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import coordinates
@@ -220,7 +221,7 @@ class TierPool(Protocol):
 
     def world(self, spec: WorldSpec) -> TierWorld: ...
 
-    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun: ...
+    def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun: ...
 
     def close(self) -> None: ...
 
@@ -463,28 +464,28 @@ Measure = Callable[[WorldSpec, list[Scenario], Leftovers], ModeRun]
 
 
 def _ran(scenario: Scenario, run: WorldRun) -> None:
-    """For runs whose values mean nothing (`InProcessHost.run_alone`): every rank finished."""
+    """For runs whose values mean nothing (`RunMode.ALONE`): every rank finished."""
     if run.verdict.kind != "ok":
         raise BenchError(f"an example on {scenario.setup.world.key} did not finish "
                          f"({run.verdict.kind}: {run.verdict.message[:600]})")  # fmt: skip
 
 
-def persistent_in(tier: str, warmup: int, *, gate: bool = True) -> Measure:
+def persistent_in(tier: str, warmup: int, *, mode: RunMode = RunMode.GATED) -> Measure:
     """One pooled world of ``tier`` for all the examples: its start and the first ``warmup``
-    examples are not timed (the steady state of a property run). ``gate`` False on the
-    in-process tier: the ranks' own work alone, not judged (`InProcessHost.run_alone`)."""
-    check = _judged if gate else _ran
+    examples are not timed (the steady state of a property run). ``mode`` `RunMode.ALONE`
+    (the in-process tier): the ranks' own work alone, not judged."""
+    check = _ran if mode is RunMode.ALONE else _judged
 
     def measure(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
         pool = TIERS[tier](spec.world_size)
         try:
             world = leftovers.note(pool.world(spec))
             for scenario in scenarios[:warmup]:
-                check(scenario, pool.run(scenario, gate=gate))
+                check(scenario, pool.run(scenario, mode=mode))
             timed = scenarios[warmup:]
             began = time.perf_counter()
             for scenario in timed:
-                check(scenario, pool.run(scenario, gate=gate))
+                check(scenario, pool.run(scenario, mode=mode))
             elapsed = time.perf_counter() - began
             memory = rank_memory(world.pids, spec.world_size)
         finally:
@@ -573,7 +574,7 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         "every rank's own work alone, in one process (fill, target, snapshots; collectives move "
         "no data, nothing scheduled or matched, not judged): the ceiling of any in-process tier",
         lambda p: p.warmup_examples + p.persistent_examples,
-        lambda p: persistent_in("inprocess", p.warmup_examples, gate=False),
+        lambda p: persistent_in("inprocess", p.warmup_examples, mode=RunMode.ALONE),
         runs_on="inprocess",
     ),
 )

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
-from pipemetrics.sim.protocol import CallReport, CollectiveCall
+from pipemetrics.sim.protocol import CallReport, CollectiveCall, RunMode
 from pipemetrics.sim.records import (
     MoeRecord,
     StepRecords,
@@ -101,8 +101,8 @@ def cost_scenario(spec: WorldSpec, target: str, steps: int, deadline_s: float) -
     )
 
 
-def _reports(scenario: Scenario, pool: WorldPool, *, gate: bool) -> dict[int, list[CallReport]]:
-    run = pool.run(scenario, gate=gate)
+def _reports(scenario: Scenario, pool: WorldPool, *, mode: RunMode) -> dict[int, list[CallReport]]:
+    run = pool.run(scenario, mode=mode)
     if run.verdict.kind != "ok":
         raise RuntimeError(
             f"{scenario.target} on {scenario.setup.world.key}: {run.verdict.kind}: "
@@ -147,11 +147,11 @@ def measure_call_cost(
     for size in sizes:
         spec = WorldSpec(pp=2, dp=size // 2)
         for label, target in TARGETS:
-            gated = _reports(cost_scenario(spec, target, 3, deadline_s), pool, gate=True)
+            gated = _reports(cost_scenario(spec, target, 3, deadline_s), pool, mode=RunMode.GATED)
             seconds: list[float] = []
             if pool.tier == "process":
                 raw = _reports(
-                    cost_scenario(spec, target, timed_steps, deadline_s), pool, gate=False
+                    cost_scenario(spec, target, timed_steps, deadline_s), pool, mode=RunMode.RAW
                 )
                 seconds = [r.seconds for reports in raw.values() for r in reports if r.step > 0]
             steady = [traffic(gated, step) for step in (1, 2)]

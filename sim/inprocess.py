@@ -7,16 +7,17 @@ groups with megatron-core's own ``initialize_model_parallel``; its process-globa
 `RankGlobals`, swapped in whenever it runs. A task runs every rank's `RankServer` (the same code
 as a rank process: trackers filled through Megatron's real recording functions, the target
 called the same way) in a greenlet of its own. Every ``torch.distributed`` collective is a
-switch point: the rank describes it and yields to the scheduler, which feeds the same
-`Coordinator` as the process tier; a released collective's data moves by
-`pipemetrics.sim.collective_semantics`, each member applying its share when it resumes.
+switch point: the rank describes it and yields to the host, the tier's transport, which hands it
+to `pipemetrics.sim.scheduler.run_task`, the same scheduler as the process tier's; a released
+collective's data moves by `pipemetrics.sim.collective_semantics`, each member applying its
+share when it resumes.
 
 Scheduling is deterministic: ranks run in rank order, a released collective's members resume in
 group order, and nothing depends on timing, so a scenario gives the same verdict, values and
 collectives every time. Mismatch and deadlock are decided on the event that makes them certain,
 as in the process tier. A rank that neither yields nor returns (a sleep, a lock, a spin) cannot
-be preempted: a watchdog thread reports the timeout with every rank's stack and the host is then
-discarded (`HostResult.reusable` False), as a world with a stuck rank is.
+be preempted: the scheduler's `Watchdog` thread reports the timeout with every rank's stack and
+the host is then discarded (`TaskOutcome.reusable` False), as a world with a stuck rank is.
 """
 
 from __future__ import annotations
@@ -40,19 +41,26 @@ import torch.distributed.distributed_c10d as c10d
 from megatron.core import parallel_state
 
 from pipemetrics.sim.collective_semantics import Contribution, Meeting, contribute
-from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.inprocess_world import INPROCESS_MODES
 from pipemetrics.sim.interpose import COLLECTIVES, Binder, Interposer
 from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.protocol import CollectiveCall, Done, HostReady, HostResult, Shutdown, Task
+from pipemetrics.sim.protocol import CollectiveCall, Done, HostReady, RunMode, Shutdown, Task
 from pipemetrics.sim.rank import RankServer, SimAbort, join_world, orphaned_exit, run_child
 from pipemetrics.sim.rank_globals import RankGlobals, pristine_values, private_module, rank_slots
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.scheduler import (
+    Called,
+    Event,
+    Finished,
+    Stalled,
+    TaskOutcome,
+    Watchdog,
+    run_task,
+)
 from pipemetrics.sim.target import load_target
 from pipemetrics.sim.trackers import cpu_current_device
-
-UNWIND_GRACE_S = 5.0
-"""How long ranks get to unwind after a verdict before the host is declared dirty."""
 
 
 class InProcessStartError(RuntimeError):
@@ -204,7 +212,12 @@ class _InProcessServer(RankServer):
 
 
 class InProcessHost:
-    """N ranks of one world in this process, and the scheduler that runs a task on them."""
+    """N ranks of one world in this process: the in-process tier's transport, which
+    `pipemetrics.sim.scheduler.run_task` drives."""
+
+    tier = "inprocess"
+    modes = INPROCESS_MODES
+    real_backend = False
 
     def __init__(self, spec: WorldSpec) -> None:
         self.spec = spec
@@ -220,135 +233,77 @@ class InProcessHost:
         self._restore_pristine()
         self.places: dict[int, RankPlace] = {r.rank: r.server.place for r in self.ranks}
         self.dispatchers = self._dispatchers()
+        self._task: tuple[Task, Scenario] | None = None
+        self._ready: deque[_Rank] = deque()
+        """Ranks that can run, in the order they will."""
+        self._blocked: dict[int, _Blocked] = {}
+        self._answers: dict[int, _Go | _Stop] = {}
+        """What each rank about to resume gets at its collective."""
 
     def _restore_pristine(self) -> None:
         for (owner, name), value in zip(self.slots, self.pristine, strict=True):
             setattr(owner, name, value)
 
-    # -- running a task -------------------------------------------------------------------------
+    # -- the transport (`pipemetrics.sim.scheduler.Transport`) ---------------------------------
 
-    def run(self, task: Task, watchdog: _Watchdog | None = None) -> HostResult:
-        """Run ``task`` on every rank; deterministic. ``task.gate`` False: `run_alone`."""
-        if not task.gate:
-            return self.run_alone(task, watchdog)
-        scenario = Scenario.model_validate_json(task.scenario_json)
-        began = time.monotonic()
-        coordinator = Coordinator([r.rank for r in self.ranks], self.places)
-        done: dict[int, Done] = {}
-        blocked: dict[int, _Blocked] = {}
-        answers: dict[int, _Go | _Stop] = {}
-        ready = deque(self.ranks)
-        deadline = began + scenario.deadline_s
-        unwind_until: float | None = None
-        dirty = False
-        for rank in self.ranks:
-            rank.greenlet = greenlet.greenlet(_runner(rank.server, task, scenario))
-        if watchdog is not None:
-            watchdog.arm(self, coordinator, deadline, scenario.deadline_s)
-        with self._dispatching(), cpu_current_device():
-            while ready:
-                now = time.monotonic()
-                limit = unwind_until if unwind_until is not None else deadline
-                if now > limit:
-                    if unwind_until is None:
-                        coordinator.on_timeout(scenario.deadline_s, self.stacks())
-                    dirty = True
-                    break
-                rank = ready.popleft()
-                message = self._switch(rank, answers.pop(rank.rank, None))
-                if isinstance(message, _Blocked):
-                    blocked[rank.rank] = message
-                    released = coordinator.on_call(message.call)
-                else:
-                    assert isinstance(message, Done)
-                    done[rank.rank] = message
-                    released = coordinator.on_done(rank.rank, time.monotonic())
-                    broken = _broken(message)
-                    if broken is not None:
-                        coordinator.on_broken_collective(*broken, time.monotonic())
-                self._release(released, blocked, answers, ready)
-                if coordinator.verdict is not None:
-                    if unwind_until is None:
-                        unwind_until = time.monotonic() + UNWIND_GRACE_S
-                    for stopped in sorted(blocked):
-                        answers[stopped] = _Stop(coordinator.verdict.message)
-                        ready.append(self.ranks[stopped])
-                    blocked.clear()
-        if watchdog is not None and not watchdog.disarm():
-            return watchdog.result_sent()
-        if coordinator.verdict is None:
-            harness = [(r, d.harness_error) for r, d in sorted(done.items()) if d.harness_error]
-            if harness:
-                rank_id, err = harness[0]
-                assert err is not None
-                coordinator.on_harness_error(
-                    f"pipemetrics fault in rank {rank_id}: {err.type}: {err.message}\n"
-                    f"{err.traceback}"
-                )
-            elif blocked or len(done) < len(self.ranks):
-                coordinator.on_harness_error(
-                    f"in-process scheduler stopped with ranks {sorted(blocked)} blocked and "
-                    f"{sorted(set(self.places) - set(done))} unfinished but no verdict"
-                )
-            else:
-                coordinator.finish_ok()
-        assert coordinator.verdict is not None
-        unfinished = [r for r in self.ranks if r.greenlet is not None and not r.greenlet.dead]
-        for rank in self.ranks:
-            rank.greenlet = None
-        return HostResult(
-            verdict=coordinator.verdict,
-            done=done,
-            released=coordinator.released,
-            seconds=time.monotonic() - began,
-            reusable=not dirty and not unfinished,
-        )
-
-    def run_alone(self, task: Task, watchdog: _Watchdog | None = None) -> HostResult:
-        """Every rank's own work and nothing else: the ranks run one after another, each to its
-        end, and their collectives go to torch's fake backend, which moves no data (results are
-        meaningless; no collective is matched or recorded). What any in-process design must
-        still do per example: `pipemetrics bench` measures it as the in-process tier's ceiling."""
-        scenario = Scenario.model_validate_json(task.scenario_json)
-        began = time.monotonic()
-        coordinator = Coordinator([r.rank for r in self.ranks], self.places)
-        if watchdog is not None:
-            watchdog.arm(self, coordinator, began + scenario.deadline_s, scenario.deadline_s)
-        done: dict[int, Done] = {}
-        with cpu_current_device():
+    @contextmanager
+    def begin(self, task: Task, scenario: Scenario) -> Iterator[None]:
+        """Every rank begins ``task``: gated, each in a greenlet of its own, with the host's
+        dispatchers installed; alone, each runs to its end when its turn comes."""
+        self._task = (task, scenario)
+        self._ready = deque(self.ranks)
+        self._blocked.clear()
+        self._answers.clear()
+        try:
+            if task.mode is RunMode.ALONE:
+                with cpu_current_device():
+                    yield
+                return
             for rank in self.ranks:
-                rank.globals.restore(self.private)
-                self.current = rank
-                try:
-                    done[rank.rank] = rank.server.run(task, scenario)
-                finally:
-                    self.current = None
-                    rank.globals.capture(self.private)
-        if watchdog is not None and not watchdog.disarm():
-            return watchdog.result_sent()
-        faults = [f"rank {r}: {d.harness_error.message}" for r, d in sorted(done.items())
-                  if d.harness_error is not None]  # fmt: skip
-        if faults:
-            coordinator.on_harness_error("; ".join(faults))
-        else:
-            coordinator.finish_ok()
-        assert coordinator.verdict is not None
-        return HostResult(verdict=coordinator.verdict, done=done, released=0,
-                          seconds=time.monotonic() - began, reusable=True)  # fmt: skip
+                rank.greenlet = greenlet.greenlet(_runner(rank.server, task, scenario))
+            with self._dispatching(), cpu_current_device():
+                yield
+        finally:
+            self.kill_ranks()
+            self._task = None
 
-    def _release(
-        self,
-        released: list[int],
-        blocked: dict[int, _Blocked],
-        answers: dict[int, _Go | _Stop],
-        ready: deque[_Rank],
-    ) -> None:
+    def next_event(self, timeout_s: float) -> Event | None:
+        """Run the next rank that can run until it yields at a collective or returns; ranks
+        run in rank order, a released collective's members in group order. ``timeout_s`` is
+        not kept here: a rank cannot be preempted (the `Watchdog` keeps the deadline)."""
+        if not self._ready:
+            return Stalled(
+                why=f"in-process scheduler stopped with ranks {sorted(self._blocked)} blocked "
+                f"and no rank left to run, but no verdict"
+            )
+        rank = self._ready.popleft()
+        assert self._task is not None
+        task, scenario = self._task
+        if task.mode is RunMode.ALONE:
+            return Finished(rank=rank.rank, done=self._run_alone(rank, task, scenario))
+        message = self._switch(rank, self._answers.pop(rank.rank, None))
+        if isinstance(message, _Blocked):
+            self._blocked[rank.rank] = message
+            return Called(call=message.call)
+        assert isinstance(message, Done)
+        return Finished(rank=rank.rank, done=message)
+
+    def _run_alone(self, rank: _Rank, task: Task, scenario: Scenario) -> Done:
+        """``rank``'s whole task, its collectives on the fake backend (`RunMode.ALONE`)."""
+        rank.globals.restore(self.private)
+        self.current = rank
+        try:
+            return rank.server.run(task, scenario)
+        finally:
+            self.current = None
+            rank.globals.capture(self.private)
+
+    def release(self, ranks: list[int]) -> None:
         """Resume the members of each released collective, in group order. A member whose own
         contribution failed (an object it cannot pickle) resumes alone, to raise; its peers stay
         blocked, as they would inside the real backend, until the verdict stops them."""
-        if not released:
-            return
-        members = sorted(released, key=lambda r: (blocked[r].call.group_name, r))
+        blocked = self._blocked
+        members = sorted(ranks, key=lambda r: (blocked[r].call.group_name, r))
         groups: dict[str, list[int]] = {}
         for r in members:
             groups.setdefault(blocked[r].call.group_name, []).append(r)
@@ -363,9 +318,20 @@ class InProcessHost:
             )
             failed = [r for r in order if blocked[r].contribution.error is not None]
             for r in failed or order:
-                answers[r] = _Go(meeting)
-                ready.append(self.ranks[r])
+                self._answers[r] = _Go(meeting)
+                self._ready.append(self.ranks[r])
                 del blocked[r]
+
+    def stop(self, ranks: list[int], reason: str) -> None:
+        for r in ranks:
+            if self._blocked.pop(r, None) is not None:
+                self._answers[r] = _Stop(reason)
+                self._ready.append(self.ranks[r])
+
+    def kill_ranks(self) -> None:
+        """Drop every rank's greenlet (the controller discards a dirty host)."""
+        for rank in self.ranks:
+            rank.greenlet = None
 
     def _switch(self, rank: _Rank, answer: _Go | _Stop | None) -> object:
         """Run ``rank`` until it yields or returns; its globals are swapped in meanwhile."""
@@ -427,13 +393,13 @@ class InProcessHost:
             for (holder, name), original in originals.items():
                 setattr(holder, name, original)
 
-    def stacks(self) -> dict[int, str]:
-        """Every rank's Python stack: the running one's from its thread, the others' from their
-        suspended greenlets."""
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Each listed rank's Python stack: the running one's from its thread, the others' from
+        their suspended greenlets."""
         stacks: dict[int, str] = {}
         running = self.current
         main = sys._current_frames().get(threading.main_thread().ident or 0)
-        for rank in self.ranks:
+        for rank in (self.ranks[r] for r in ranks):
             frame: FrameType | None
             if rank is running:
                 frame = main
@@ -486,80 +452,18 @@ def _runner(server: RankServer, task: Task, scenario: Scenario) -> Callable[[], 
     return run
 
 
-def _broken(done: Done) -> tuple[CollectiveCall, str] | None:
-    for report in done.reports:
-        for call in report.collectives:
-            if call.outcome == "failed":
-                error = report.error
-                return call, f"{error.type}: {error.message}" if error else "an exception"
-    return None
-
-
-class _Watchdog:
-    """Reports a timeout from a thread of its own when a rank neither yields nor returns (the
-    scheduler, stuck inside that rank, cannot): one second after the scenario's deadline it
-    sends the timeout with every rank's stack, and the host is discarded."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.lock = threading.Lock()
-        self.sent: HostResult | None = None
-        self._finished = threading.Event()
-
-    def arm(self, host: InProcessHost, coordinator: Coordinator, deadline: float, s: float) -> None:
-        with self.lock:
-            self.sent = None
-            self._finished = threading.Event()
-        threading.Thread(
-            target=self._watch,
-            args=(self._finished, host, coordinator, deadline, s),
-            name="pipemetrics-inprocess-watchdog",
-            daemon=True,
-        ).start()
-
-    def disarm(self) -> bool:
-        """False when the watchdog already sent a timeout for this task."""
-        with self.lock:
-            self._finished.set()
-            return self.sent is None
-
-    def result_sent(self) -> HostResult:
-        assert self.sent is not None
-        return self.sent
-
-    def _watch(
-        self,
-        finished: threading.Event,
-        host: InProcessHost,
-        coordinator: Coordinator,
-        deadline: float,
-        deadline_s: float,
-    ) -> None:
-        if finished.wait(max(0.0, deadline - time.monotonic()) + 1.0):
-            return
-        with self.lock:
-            if finished.is_set():
-                return
-            coordinator.on_timeout(deadline_s, host.stacks())
-            verdict = coordinator.verdict
-            assert isinstance(verdict, Verdict)
-            self.sent = HostResult(
-                verdict=verdict, done={}, released=coordinator.released, seconds=0.0,
-                reusable=False,
-            )  # fmt: skip
-            self.conn.send(self.sent)
-
-
-def _run_or_report(host: InProcessHost, task: Task, watchdog: _Watchdog) -> HostResult:
-    """The task's result; a fault of the scheduler itself is a harness error, and the host,
+def _run_or_report(host: InProcessHost, task: Task, watchdog: Watchdog) -> TaskOutcome:
+    """The task's outcome; a fault of the scheduler itself is a harness error, and the host,
     whose ranks may be left mid-task, is discarded."""
     try:
-        return host.run(task, watchdog)
+        return run_task(
+            host, task, Scenario.model_validate_json(task.scenario_json), watchdog=watchdog
+        )
     except Exception as exc:
         watchdog.disarm()
         trace = "".join(traceback.format_exception(exc))[-6000:]
         verdict = Verdict(kind="harness_error", message=f"in-process scheduler fault: {trace}")
-        return HostResult(verdict=verdict, done={}, released=0, seconds=0.0, reusable=False)
+        return TaskOutcome(verdict=verdict, done={}, released=0, seconds=0.0, reusable=False)
 
 
 def host_main(
@@ -577,7 +481,7 @@ def host_main(
         conn.send(
             HostReady(places=host.places, pid=os.getpid(), startup_s=time.monotonic() - began)
         )
-        watchdog = _Watchdog(conn)
+        watchdog = Watchdog(conn.send)
         while True:
             try:
                 message = conn.recv()

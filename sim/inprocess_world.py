@@ -4,7 +4,7 @@ The controller side of the in-process tier, with the same interface as
 `pipemetrics.sim.world.World` (start, run, close, kill), so `WorldPool` and everything above it
 take either tier. The host is forked from the same preloaded fork server as rank processes and
 owns one private temporary directory (its log and stack dumps); it runs a task to its verdict
-by itself and answers with a `HostResult`. The controller keeps a hard deadline of its own: a
+by itself (`pipemetrics.sim.scheduler.run_task`) and answers with its `TaskOutcome`. The controller keeps a hard deadline of its own: a
 host that does not answer (a target holding the interpreter in native code) is killed and the
 run is a timeout.
 """
@@ -23,9 +23,10 @@ from typing import Any
 from pipemetrics.sim.coordinator import Verdict
 from pipemetrics.sim.entry import host_entry
 from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.protocol import HostReady, HostResult, Shutdown, Task
+from pipemetrics.sim.protocol import HostReady, RunMode, Shutdown, Task
 from pipemetrics.sim.records import RankPlace, class_tracker_installed
 from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.scheduler import UNWIND_GRACE_S, WATCHDOG_MARGIN_S, TaskOutcome, require_mode
 from pipemetrics.sim.world import (
     STACK_DUMP_WAIT_S,
     RankResult,
@@ -38,9 +39,11 @@ from pipemetrics.sim.world import (
     start_forkserver,
 )
 
-ANSWER_MARGIN_S = 10.0
+ANSWER_MARGIN_S = WATCHDOG_MARGIN_S + UNWIND_GRACE_S + 4.0
 """How long after a scenario's deadline the controller waits for the host's own verdict (its
-watchdog reports one second after the deadline; unwinding may take the host's grace period)."""
+watchdog reports `WATCHDOG_MARGIN_S` after the deadline; unwinding may take the grace period)."""
+INPROCESS_MODES = frozenset({RunMode.GATED, RunMode.ALONE})
+"""The in-process tier's run modes (no real backend: no raw mode)."""
 
 
 def inprocess_unsupported() -> str | None:
@@ -64,6 +67,7 @@ class InProcessWorld(WorldBase):
     """A live world of ``spec.world_size`` ranks in one host process. Use as a context manager."""
 
     tier = "inprocess"
+    modes = INPROCESS_MODES
 
     def __init__(self, spec: WorldSpec, *, start_timeout_s: float = 300.0) -> None:
         if spec.backend != "gloo":
@@ -141,10 +145,9 @@ class InProcessWorld(WorldBase):
 
     # -- running --------------------------------------------------------------------------------
 
-    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
-        """Run ``scenario`` on every rank. ``gate`` False is not a raw mode (no real backend
-        runs here): the ranks run one after another with collectives that move no data
-        (`InProcessHost.run_alone`), for measuring the ranks' own work; values are meaningless."""
+    def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun:
+        """Run ``scenario`` on every rank; the modes are ``gated`` and ``alone`` (`RunMode`)."""
+        require_mode(mode, self.modes, self.tier)
         if self._closed or self._conn is None:
             raise RuntimeError("this world is closed")
         if scenario.setup.world != self.spec:
@@ -153,9 +156,9 @@ class InProcessWorld(WorldBase):
                 f"{self.spec.key}"
             )
         began = time.monotonic()
-        self._conn.send(Task(scenario_json=scenario.model_dump_json(), gate=gate))
+        self._conn.send(Task(scenario_json=scenario.model_dump_json(), mode=mode))
         answer = self._receive(scenario.deadline_s + ANSWER_MARGIN_S)
-        if isinstance(answer, HostResult):
+        if isinstance(answer, TaskOutcome):
             verdict, done, released = answer.verdict, answer.done, answer.released
             reusable = answer.reusable
         else:

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pipemetrics.sim.inprocess_world import InProcessWorld
 from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import World, WorldRun
 
@@ -64,11 +65,11 @@ class WorldPool:
         self._worlds[spec.key] = world
         return world
 
-    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
+    def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun:
         """Run a scenario in a pooled world; a world that ran unclean is retired."""
         world = self.world(scenario.setup.world)
         try:
-            result = world.run(scenario, gate=gate)
+            result = world.run(scenario, mode=mode)
         except BaseException:
             self._drop(scenario.setup.world.key)
             raise

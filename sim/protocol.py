@@ -8,6 +8,7 @@ sends `Task`, `Go`/`Abort` answers, and `Shutdown`. All messages are pickled thr
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import Field
@@ -101,20 +102,6 @@ class HostReady(Frozen):
     startup_s: float
 
 
-class HostResult(Frozen):
-    """What the in-process tier's host returns for a task: the verdict and every rank's
-    `Done` (the same as a process world's ranks send), decided by the host's scheduler."""
-
-    kind: Literal["host-result"] = "host-result"
-    verdict: Any
-    """A `pipemetrics.sim.coordinator.Verdict` (typed loosely: the coordinator imports this
-    module)."""
-    done: dict[int, Done]
-    released: int
-    seconds: float
-    reusable: bool
-
-
 class Go(Frozen):
     kind: Literal["go"] = "go"
 
@@ -128,9 +115,22 @@ class Shutdown(Frozen):
     kind: Literal["shutdown"] = "shutdown"
 
 
+class RunMode(StrEnum):
+    """How the ranks of a task meet at their collectives (a tier offers the modes it can)."""
+
+    GATED = "gated"
+    """Every collective waits until the scheduler releases it (both tiers): the verdicts."""
+    RAW = "raw"
+    """Process tier only: collectives run unintercepted in the real backend and are only
+    logged, under the deadline (`pipemetrics replay --raw` confirms a verdict this way)."""
+    ALONE = "alone"
+    """In-process tier only: every rank's own work and nothing else, the ranks one after
+    another, each to its end; collectives go to torch's fake backend, which moves no data
+    (values are meaningless, nothing is matched or recorded). `pipemetrics bench` measures it
+    as the in-process tier's ceiling."""
+
+
 class Task(Frozen):
     kind: Literal["task"] = "task"
     scenario_json: str
-    gate: bool = True
-    """True: every collective waits for the controller's `Go`. False (raw mode): collectives run
-    unintercepted and are only logged."""
+    mode: RunMode = RunMode.GATED

@@ -50,6 +50,7 @@ from pipemetrics.sim.protocol import (
     CollectiveCall,
     Done,
     Ready,
+    RunMode,
     Shutdown,
     Task,
 )
@@ -161,7 +162,7 @@ class RankServer:
     def run(self, task: Task, scenario: Scenario | None = None) -> Done:
         """Run ``task`` (``scenario``: the task's, already parsed)."""
         if self.interposer.exchange is None:
-            self.interposer.gate = self._gate if task.gate else None
+            self.interposer.gate = self._gate if task.mode is RunMode.GATED else None
         try:
             return self._run(task, scenario)
         finally:

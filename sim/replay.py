@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
+from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.target import TargetLoadError
@@ -45,7 +46,7 @@ def replay_main(
         scenario = scenario.model_copy(update={"target": impl})
     try:
         with World(scenario.setup.world) as world:
-            run = world.run(scenario, gate=not raw)
+            run = world.run(scenario, mode=RunMode.RAW if raw else RunMode.GATED)
     except WorldStartError as exc:
         print(f"pipemetrics replay: cannot start the world: {exc}", file=sys.stderr)
         return 2

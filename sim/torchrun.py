@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from pipemetrics.sim.coordinator import Verdict
-from pipemetrics.sim.protocol import Done, Task
+from pipemetrics.sim.protocol import Done, RunMode, Task
 from pipemetrics.sim.rank import RankServer, join_world
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.summary import summarize
@@ -80,7 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     timer = _arm_deadline(scenario.deadline_s)
     server = RankServer(dist.get_rank(), None, join_world(spec))
-    done = server.run(Task(scenario_json=scenario.model_dump_json(), gate=False))
+    done = server.run(Task(scenario_json=scenario.model_dump_json(), mode=RunMode.RAW))
     everyone: list[Done | None] = [None] * spec.world_size
     dist.all_gather_object(everyone, done)
     places: list[object] = [None] * spec.world_size

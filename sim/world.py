@@ -1,11 +1,13 @@
-"""A live simulated world: N rank processes, their controller-side event loop, and cleanup.
+"""A live simulated world: N rank processes, the process tier's transport, and cleanup.
 
 Ranks are forked from a fork server that has already imported torch and megatron-core (see
 `pipemetrics.sim.rank`), so starting a world costs process creation plus joining gloo, not the
 imports. Each world owns one private temporary directory (FileStore rendezvous, per-rank logs and
 stack dumps): no port is ever fixed, so any number of worlds can run side by side. `close`
 (also run by a finalizer, at interpreter exit, and on every error path) kills every rank and
-removes the directory.
+removes the directory. `World.run` runs a task with `pipemetrics.sim.scheduler.run_task`, the
+policy both tiers share; the world supplies the transport (pipes, process sentinels, SIGUSR1
+stack dumps, SIGKILL).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from multiprocessing import forkserver, popen_forkserver, spawn
 from multiprocessing.connection import Connection
@@ -29,16 +32,15 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, PrivateAttr
 
-from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.coordinator import Verdict
 from pipemetrics.sim.entry import rank_entry
 from pipemetrics.sim.layout import Frozen, WorldSpec
-from pipemetrics.sim.protocol import Abort, Call, CollectiveCall, Done, Go, Ready, Shutdown, Task
+from pipemetrics.sim.protocol import Abort, Call, Done, Go, Ready, RunMode, Shutdown, Task
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.scheduler import Called, Died, Event, Finished, require_mode, run_task
 
 PRELOAD = ["pipemetrics.sim.rank", "pipemetrics.sim.router_fill", "pipemetrics.sim.inprocess"]
-UNWIND_GRACE_S = 5.0
-"""How long ranks get to unwind after a verdict before the world is declared dirty and killed."""
 STACK_DUMP_WAIT_S = 0.3
 
 
@@ -174,17 +176,6 @@ class _RankProcess(multiprocessing.context.ForkServerProcess):
     _Popen = staticmethod(_RankPopen)
 
 
-def _broken_collective(done: Done) -> tuple[CollectiveCall, str] | None:
-    """The collective a rank raised inside of, with the error, if any."""
-    for report in done.reports:
-        for call in report.collectives:
-            if call.outcome == "failed":
-                error = report.error
-                what = f"{error.type}: {error.message}" if error else "an exception"
-                return call, what
-    return None
-
-
 @contextlib.contextmanager
 def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM held back for the block; one that arrives meanwhile is delivered to
@@ -265,6 +256,8 @@ class World(WorldBase):
     """A live world of ``spec.world_size`` rank processes. Use as a context manager."""
 
     tier = "process"
+    modes = frozenset({RunMode.GATED, RunMode.RAW})
+    real_backend = True
 
     def __init__(
         self,
@@ -290,6 +283,12 @@ class World(WorldBase):
         self.startup_s = 0.0
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
+        self._rank_of: dict[int, int] = {}
+        """A rank by its connection's id."""
+        self._events: deque[Event] = deque()
+        """Events received and not yet handed to the scheduler."""
+        self._returned: set[int] = set()
+        self._died: set[int] = set()
         self._closed = False
         super().__init__("pipemetrics-world-")
 
@@ -329,6 +328,7 @@ class World(WorldBase):
                 theirs.close()
                 self._procs.append(proc)
                 self._conns.append(ours)
+                self._rank_of[id(ours)] = rank
                 self._track(self.pids)
             self._await_ready(began)
         except BaseException:
@@ -397,16 +397,16 @@ class World(WorldBase):
         self._finalizer.detach()
 
     def kill(self) -> None:
-        """Kill every rank at once (a suspect world is never reused)."""
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
+        """Kill every rank at once and close (a suspect world is never reused)."""
+        self.kill_ranks()
         self.close()
 
     # -- running --------------------------------------------------------------------------------
 
-    def run(self, scenario: Scenario, *, gate: bool = True) -> WorldRun:
-        """Run ``scenario`` on every rank; ``gate=False`` is raw mode (real backend, deadline)."""
+    def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun:
+        """Run ``scenario`` on every rank (`pipemetrics.sim.scheduler.run_task`); the modes are
+        ``gated`` and ``raw`` (real backend, under the deadline)."""
+        require_mode(mode, self.modes, self.tier)
         if self._closed:
             raise RuntimeError("this world is closed")
         if scenario.setup.world != self.spec:
@@ -415,105 +415,85 @@ class World(WorldBase):
                 f"{self.spec.key}"
             )
         began = time.monotonic()
-        task = Task(scenario_json=scenario.model_dump_json(), gate=gate)
-        for conn in self._conns:
-            conn.send(task)
-        coordinator = Coordinator(list(range(self.spec.world_size)), self.places)
-        done, dirty = self._loop(coordinator, scenario.deadline_s, began)
-        if coordinator.verdict is None:
-            harness = [(r, d.harness_error) for r, d in done.items() if d.harness_error]
-            if harness:
-                rank, err = harness[0]
-                assert err is not None
-                coordinator.on_harness_error(
-                    f"pipemetrics fault in rank {rank}: {err.type}: {err.message}\n{err.traceback}"
-                )
-            else:
-                coordinator.finish_ok()
-        assert coordinator.verdict is not None
-        failed = coordinator.verdict.kind != "ok"
+        outcome = run_task(
+            self, Task(scenario_json=scenario.model_dump_json(), mode=mode), scenario
+        )
+        failed = outcome.verdict.kind != "ok"
         ranks = {
             rank: RankResult(
                 place=place,
-                done=done.get(rank),
+                done=outcome.done.get(rank),
                 log_tail=self._log_tail(f"rank{rank}") if failed else "",
             )
             for rank, place in self.places.items()
         }
-        if dirty:
+        if not outcome.reusable:
             self.kill()
         return WorldRun(
-            verdict=coordinator.verdict,
+            verdict=outcome.verdict,
             ranks=ranks,
             seconds=time.monotonic() - began,
-            reusable=not dirty,
-            collectives_released=coordinator.released,
+            reusable=outcome.reusable,
+            collectives_released=outcome.released,
             startup_s=self.startup_s,
         )
 
-    def _loop(
-        self, coordinator: Coordinator, deadline_s: float, began: float
-    ) -> tuple[dict[int, Done], bool]:
-        done: dict[int, Done] = {}
-        dirty = False
-        deadline = began + deadline_s
-        unwind_until: float | None = None
-        by_conn = {id(c): r for r, c in enumerate(self._conns)}
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while not coordinator.all_finished():
-            limit = unwind_until if unwind_until is not None else deadline
-            left = limit - time.monotonic()
-            if left <= 0:
-                if unwind_until is None:
-                    stuck = sorted(set(coordinator.running()) | set(coordinator.pending))
-                    coordinator.on_timeout(deadline_s, self._dump_stacks(stuck))
-                dirty = True
-                break
-            open_conns = [c for r, c in enumerate(self._conns) if r not in done]
-            live = [s for s, r in sentinels.items() if r not in coordinator.dead]
-            for item in multiprocessing.connection.wait([*open_conns, *live], left):
-                if isinstance(item, int):
-                    rank = sentinels[item]
-                    if rank not in done:
-                        coordinator.on_crash(rank, self._procs[rank].exitcode, time.monotonic())
-                        dirty = True
-                    continue
-                assert isinstance(item, Connection)
-                rank = by_conn[id(item)]
-                try:
-                    message = item.recv()
-                except (EOFError, OSError):
-                    continue  # the sentinel reports the death
-                self._handle(coordinator, rank, message, done)
-            if coordinator.verdict is not None and unwind_until is None:
-                unwind_until = time.monotonic() + UNWIND_GRACE_S
-                for rank in coordinator.pending:
-                    self._send(rank, Abort(reason=coordinator.verdict.message))
-                if any(_broken_collective(d) for d in done.values()):
-                    dirty = True  # peers sit inside the real backend: nothing to wait for
-                    break
-                if coordinator.dead:
-                    dirty = True
-        return done, dirty
+    # -- the transport (`pipemetrics.sim.scheduler.Transport`) ---------------------------------
 
-    def _handle(
-        self, coordinator: Coordinator, rank: int, message: object, done: dict[int, Done]
-    ) -> None:
-        if isinstance(message, Call):
-            if coordinator.verdict is not None:
-                self._send(rank, Abort(reason=coordinator.verdict.message))
-                return
-            for released in coordinator.on_call(message.call):
-                self._send(released, Go())
-        elif isinstance(message, Done):
-            done[rank] = message
-            broken = _broken_collective(message)
-            if broken is not None:
-                coordinator.on_done(rank, time.monotonic())
-                coordinator.on_broken_collective(*broken, time.monotonic())
-                return
-            for released in coordinator.on_done(rank, time.monotonic()):
-                self._send(released, Go())
+    @contextlib.contextmanager
+    def begin(self, task: Task, scenario: Scenario) -> Iterator[None]:
+        """Send ``task`` to every rank."""
+        self._events.clear()
+        self._returned.clear()
+        self._died.clear()
+        for conn in self._conns:
+            conn.send(task)
+        yield
+
+    def next_event(self, timeout_s: float) -> Event | None:
+        """The next message or death of a rank: a rank that returned is no longer listened to,
+        nor is a dead one's sentinel."""
+        if not self._events:
+            self._receive(timeout_s)
+        return self._events.popleft() if self._events else None
+
+    def _receive(self, timeout_s: float) -> None:
+        conns = [c for r, c in enumerate(self._conns) if r not in self._returned]
+        sentinels = {
+            p.sentinel: r
+            for r, p in enumerate(self._procs)
+            if r not in self._returned and r not in self._died
+        }
+        for item in multiprocessing.connection.wait([*conns, *sentinels], timeout_s):
+            if isinstance(item, int):
+                rank = sentinels[item]
+                self._died.add(rank)
+                self._events.append(Died(rank=rank, exitcode=self._procs[rank].exitcode))
+                continue
+            assert isinstance(item, Connection)
+            rank = self._rank_of[id(item)]
+            try:
+                message = item.recv()
+            except (EOFError, OSError):
+                continue  # the sentinel reports the death
+            if isinstance(message, Call):
+                self._events.append(Called(call=message.call))
+            elif isinstance(message, Done):
+                self._returned.add(rank)
+                self._events.append(Finished(rank=rank, done=message))
+
+    def release(self, ranks: list[int]) -> None:
+        for rank in ranks:
+            self._send(rank, Go())
+
+    def stop(self, ranks: list[int], reason: str) -> None:
+        for rank in ranks:
+            self._send(rank, Abort(reason=reason))
+
+    def kill_ranks(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
 
     def _send(self, rank: int, message: object) -> None:
         with contextlib.suppress(OSError, ValueError, BrokenPipeError):
@@ -521,7 +501,7 @@ class World(WorldBase):
 
     # -- diagnostics ----------------------------------------------------------------------------
 
-    def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every listed rank's Python stack (faulthandler on SIGUSR1)."""
         for rank in ranks:
             pid = self._procs[rank].pid

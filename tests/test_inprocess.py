@@ -26,6 +26,7 @@ from pipemetrics.sim.calls import MoeCall, RoundUpCall
 from pipemetrics.sim.differential import differences
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import Scenario, Step
@@ -143,12 +144,12 @@ def test_runs_are_deterministic_across_runs_and_hosts(inprocess_pool: TrackingPo
 def test_the_ranks_work_alone_runs_every_rank_and_matches_nothing(
     inprocess_pool: TrackingPool,
 ) -> None:
-    """``gate=False`` (the bench's ceiling of the tier): every rank runs its fill and call to
+    """`RunMode.ALONE` (the bench's ceiling of the tier): every rank runs its fill and call to
     the end, one after another; collectives reach the fake backend, so none is released or
     recorded, and the host stays usable for gated runs."""
     world = WorldSpec(pp=2, dp=2)
     scenario = _scenario(world)
-    alone = inprocess_pool.run(scenario, gate=False)
+    alone = inprocess_pool.run(scenario, mode=RunMode.ALONE)
     assert alone.verdict.kind == "ok", alone.verdict.message
     assert alone.collectives_released == 0
     for result in alone.ranks.values():

@@ -27,6 +27,7 @@ from pipemetrics.sim.layout import (
     WorldSpec,
     installed_router_routing,
 )
+from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.topology import places_for
@@ -167,7 +168,7 @@ def test_raw_mode_confirms_the_hang_with_stacks(pool: TrackingPool, tmp_path: Pa
             return {}
         """,
     )
-    run = pool.run(scenario_for(target, deadline_s=3.0), gate=False)
+    run = pool.run(scenario_for(target, deadline_s=3.0), mode=RunMode.RAW)
     assert run.verdict.kind == "timeout", run.verdict.message
     assert not run.reusable
     assert "all_reduce" in run.verdict.stacks.get(1, ""), run.verdict.stacks
