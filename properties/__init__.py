@@ -3,7 +3,7 @@
 Hypothesis strategies that draw pipeline-parallel layouts, recorded values and calls
 (`strategies`, `synthetic`), the property catalogue with one judge per property ID
 (`catalogue`, `judges`), the engine that runs a property in pooled worlds and shrinks failures
-(`engine`), the ``pipemetrics`` command and its ``check`` runner and reports (`cli`, `runner`,
-`report`), and the pytest plugin that runs the same suite inside an adopter's pytest
+(`engine`), the check's reports (`report`; the ``pipemetrics`` command itself is
+`pipemetrics.commands`), and the pytest plugin that runs the same suite inside an adopter's pytest
 (`plugin`, `test_conformance`).
 """

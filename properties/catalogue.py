@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 
 from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
-from pipemetrics.properties.profiles import Profile
+from pipemetrics.properties.effort import Effort
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.scenario import Scenario
 
@@ -51,7 +51,7 @@ SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron", "strict")
 EVERY_PROFILE: frozenset[Semantic] = frozenset(SEMANTIC_PROFILES)
 STRICT_ONLY: frozenset[Semantic] = frozenset({"strict"})
 
-ScenarioStrategy = Callable[[Profile, Semantic], st.SearchStrategy[Scenario]]
+ScenarioStrategy = Callable[[Effort, Semantic], st.SearchStrategy[Scenario]]
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,11 @@ class Property:
 
 
 def _moe(**kwargs: object) -> ScenarioStrategy:
-    return lambda profile, semantic: s.moe_scenarios(profile, semantic, **kwargs)  # type: ignore[arg-type]
+    return lambda effort, semantic: s.moe_scenarios(effort, semantic, **kwargs)  # type: ignore[arg-type]
 
 
 def _mtp(**kwargs: object) -> ScenarioStrategy:
-    return lambda profile, semantic: s.mtp_scenarios(profile, semantic, **kwargs)  # type: ignore[arg-type]
+    return lambda effort, semantic: s.mtp_scenarios(effort, semantic, **kwargs)  # type: ignore[arg-type]
 
 
 MOE = "get_moe_metrics"

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from pipemetrics.properties.profiles import GENERATOR_CLASSES, is_wide
+from pipemetrics.properties.effort import GENERATOR_CLASSES, is_wide
 from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
 from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec

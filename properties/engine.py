@@ -9,6 +9,7 @@ failing scenario is written with `save_scenario` for ``pipemetrics replay``.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -25,13 +26,13 @@ from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
-from pipemetrics.properties.profiles import Profile, hypothesis_settings
-from pipemetrics.properties.runview import HarnessFault, describe_ranks
+from pipemetrics.properties.effort import Effort, hypothesis_settings
+from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.strategies import Semantic
-from pipemetrics.sim.picture import run_picture
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, save_scenario
-from pipemetrics.sim.world import WorldRun, WorldStartError
+from pipemetrics.sim.summary import layout_picture, what_ranks_did
+from pipemetrics.sim.world import WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
 MAX_PROBLEM_LINES = 12
@@ -94,8 +95,10 @@ def _cites(property_id: str) -> str | None:
 @dataclass
 class RunOptions:
     target: str
-    semantic: Semantic
-    profile: Profile
+    profile: Semantic
+    """The semantic profile: what the suite requires (seed, megatron, strict)."""
+    effort: Effort
+    """How hard it searches (the Hypothesis profile: examples, shapes, budgets)."""
     max_examples: int | None = None
     seed: int | None = None
     database: str | None = None
@@ -118,21 +121,18 @@ class _Failure:
     picture: str
 
 
-def failure_picture(scenario: Scenario, run: WorldRun) -> str:
-    """The run's layout picture; a note instead if drawing it fails (never hides the failure)."""
-    # a picture that cannot be drawn must not turn the property's fail into a harness error
-    try:
-        return run_picture(scenario.setup, run)
-    except Exception as exc:
-        return f"(no layout picture: {type(exc).__name__}: {exc})"
-
-
 @dataclass
 class _State:
     examples: int = 0
     found_at: int | None = None
     failure: _Failure | None = None
     seen: list[Scenario] = field(default_factory=list)
+
+
+DEFAULT_DATABASE = os.environ.get(
+    "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
+)
+"""Where Hypothesis' example database lives unless a run names another (or 'none')."""
 
 
 def make_database(path: str | None) -> ExampleDatabase | None:
@@ -191,7 +191,7 @@ def _example_runner(
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
         scenario = scenario.model_copy(
-            update={"target": options.target, "property": prop.id, "profile": options.semantic}
+            update={"target": options.target, "property": prop.id, "profile": options.profile}
         )
         state.examples += 1
         coverage.add(scenario)
@@ -206,15 +206,15 @@ def _example_runner(
             if state.failure is None and options.progress is not None:
                 options.progress(
                     f"failed at example {state.examples}; shrinking "
-                    f"(at most {options.profile.shrink_budget_s:g} s) ..."
+                    f"(at most {options.effort.shrink_budget_s:g} s) ..."
                 )
             state.failure = _Failure(
-                scenario, problems, describe_ranks(run), failure_picture(scenario, run)
+                scenario, problems, what_ranks_did(run), layout_picture(scenario, run)
             )
             raise PropertyFailed("; ".join(problems[:3]))
 
     example._hypothesis_internal_add_digest = (  # type: ignore[attr-defined]
-        f"pipemetrics:{prop.id}:{options.semantic}".encode()
+        f"pipemetrics:{prop.id}:{options.profile}".encode()
     )
     return example
 
@@ -245,13 +245,13 @@ def run_property(
 
     ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
     again before it is reported (`confirm_failure`)."""
-    profile = options.profile
+    effort = options.effort
     state = _State()
     example = _example_runner(prop, pool, options, coverage, state)
-    test = given(prop.scenarios(profile, options.semantic))(example)
+    test = given(prop.scenarios(effort, options.profile))(example)
     test = hypothesis_settings(
-        profile,
-        profile.examples_for(options.max_examples),
+        effort,
+        effort.examples_for(options.max_examples),
         database=None if options.seed is not None else make_database(options.database),
     )(test)
     if options.seed is not None:
@@ -262,7 +262,7 @@ def run_property(
     said: list[str] = []
     try:
         with (
-            shrink_budget(profile.shrink_budget_s),
+            shrink_budget(effort.shrink_budget_s),
             draws_independent_of_local_code(),
             with_reporter(lambda x: said.append(str(x))),
         ):
@@ -287,7 +287,7 @@ def run_property(
         result.details = failure.details
         if any("working to shrink" in line for line in said):
             result.details = (
-                f"(shrinking stopped at its {profile.shrink_budget_s:.0f} s budget: the "
+                f"(shrinking stopped at its {effort.shrink_budget_s:.0f} s budget: the "
                 "counterexample is the smallest found by then)\n" + failure.details
             )
         result.picture = failure.picture

@@ -15,7 +15,6 @@ from pipemetrics.properties.runview import (
     CallView,
     HarnessFault,
     call_views,
-    short,
     standard_problems,
     world_problems,
 )
@@ -23,6 +22,7 @@ from pipemetrics.sim import oracle
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall, TrackNamesCall
 from pipemetrics.sim.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
 from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.summary import short
 from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
 from pipemetrics.sim.world import WorldRun
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.properties.profiles import (
-    DEFAULT_PROFILE,
-    PROFILE_NAMES,
+from pipemetrics.properties.effort import (
+    DEFAULT_EFFORT,
+    EFFORT_NAMES,
     register_hypothesis_profiles,
 )
 
@@ -41,8 +41,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "(default: pipemetrics.reference)")  # fmt: skip
     group.addoption("--pipemetrics-profile", default="seed", choices=("seed", "megatron", "strict"),
                     help="semantic profile")  # fmt: skip
-    group.addoption("--pipemetrics-hypothesis-profile", default=DEFAULT_PROFILE,
-                    choices=PROFILE_NAMES, help="dev, ci or thorough")  # fmt: skip
+    group.addoption("--pipemetrics-hypothesis-profile", default=DEFAULT_EFFORT,
+                    choices=EFFORT_NAMES, help="dev, ci or thorough")  # fmt: skip
     group.addoption("--pipemetrics-max-examples", type=int, default=None, metavar="N")
     group.addoption("--pipemetrics-skip", default=None, metavar="FILE",
                     help="property IDs to skip, one per line")  # fmt: skip
@@ -97,17 +97,17 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
     """The run options every conformance test shares (target resolved once)."""
     from pathlib import Path
 
-    from pipemetrics.properties.engine import RunOptions
-    from pipemetrics.properties.profiles import get_profile
-    from pipemetrics.properties.runner import DEFAULT_DATABASE, _resolve_target
+    from pipemetrics.properties.effort import get_effort
+    from pipemetrics.properties.engine import DEFAULT_DATABASE, RunOptions
     from pipemetrics.sim.scenario import DEFAULT_TARGET
+    from pipemetrics.sim.target import resolve_target
 
     config = request.config
     database = config.getoption("--pipemetrics-database") or DEFAULT_DATABASE
     return RunOptions(
-        target=_resolve_target(config.getoption("--pipemetrics-impl") or DEFAULT_TARGET),
-        semantic=config.getoption("--pipemetrics-profile"),
-        profile=get_profile(config.getoption("--pipemetrics-hypothesis-profile")),
+        target=resolve_target(config.getoption("--pipemetrics-impl") or DEFAULT_TARGET),
+        profile=config.getoption("--pipemetrics-profile"),
+        effort=get_effort(config.getoption("--pipemetrics-hypothesis-profile")),
         max_examples=config.getoption("--pipemetrics-max-examples"),
         database=database,
         report_dir=Path(config.getoption("--pipemetrics-report-dir")),
@@ -130,7 +130,7 @@ def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
     """One pool of live worlds per pytest process (per xdist worker)."""
     from pipemetrics.sim.pool import WorldPool
 
-    with WorldPool(max_ranks=pipemetrics_options.profile.max_ranks) as pool:
+    with WorldPool(max_ranks=pipemetrics_options.effort.max_ranks) as pool:
         yield pool
 
 

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from pipemetrics.properties.catalogue import BY_ID
-from pipemetrics.properties.engine import failure_picture
 from pipemetrics.properties.prove_cases import (
     AnyCase,
     Bound,
@@ -41,6 +40,7 @@ from pipemetrics.properties.prove_families import FAMILIES, FIXED, enumerate_cas
 from pipemetrics.sim.layout import Frozen
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, save_scenario
+from pipemetrics.sim.summary import layout_picture
 from pipemetrics.sim.target import API_FUNCTIONS, is_path_target, resolve_builtin
 
 
@@ -196,7 +196,7 @@ def prove(
             counts.update(case.classes)
             counts["total"] += 1
             if problems:
-                failure = _failure(case, scenario, problems, report_dir, failure_picture(
+                failure = _failure(case, scenario, problems, report_dir, layout_picture(
                     scenario, run))  # fmt: skip
                 break
     if progress is not None:

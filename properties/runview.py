@@ -1,4 +1,5 @@
-"""Reading a `WorldRun`: per-call reports of every rank, world-level problems, and a summary.
+"""Reading a `WorldRun` for judges: per-call reports of every rank and world-level problems (the
+account of a run people read is `pipemetrics.sim.summary`'s).
 
 A judge sees the run through these helpers. `world_problems` turns a verdict other than ``ok``
 into the property's failure message (the verdict message is already a precise diagnosis) and a
@@ -7,9 +8,7 @@ into the property's failure message (the verdict message is already a precise di
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any
 
 from pipemetrics.sim.calls import CallSpec
 from pipemetrics.sim.protocol import CallReport
@@ -84,37 +83,3 @@ def raised(run: WorldRun) -> list[str]:
 def standard_problems(run: WorldRun) -> list[str]:
     """No hang, no crash, no mismatched collective, no exception from the target."""
     return world_problems(run) + raised(run)
-
-
-def short(value: Any, limit: int = 300) -> str:
-    try:
-        text = json.dumps(value, sort_keys=True, default=repr)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def describe_ranks(run: WorldRun) -> str:
-    """What each rank did: its place, then per call its value or its exception."""
-    lines = [f"verdict: {run.verdict.text()}"]
-    for rank, result in sorted(run.ranks.items()):
-        place = result.place
-        head = (
-            f"rank {rank} (pp {place.pp_rank}, tp {place.tp_rank}, cp {place.cp_rank}, "
-            f"dp {place.dp_rank})"
-        )
-        if result.done is None:
-            lines.append(f"{head}: no report (died or never finished)")
-            continue
-        if result.done.load_error is not None:
-            lines.append(f"{head}: could not load the target: {result.done.load_error.message}")
-        if result.done.aborted:
-            lines.append(f"{head}: aborted by the simulator after the verdict")
-        for report in result.done.reports:
-            what = (
-                f"raised {report.error.type}: {report.error.message[:300]}"
-                if report.error is not None
-                else f"returned {short(report.value)}"
-            )
-            lines.append(f"{head} step {report.step} {report.function}: {what}")
-    return "\n".join(lines)

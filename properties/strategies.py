@@ -17,7 +17,7 @@ from typing import Literal
 
 from hypothesis import strategies as st
 
-from pipemetrics.properties.profiles import Profile, is_wide
+from pipemetrics.properties.effort import Effort, is_wide
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.calls import (
     NEW_GROUP,
@@ -88,15 +88,15 @@ Semantic = Literal["seed", "megatron", "strict"]
 
 
 def world_shapes(
-    profile: Profile, *, min_size: int = 1, max_size: int | None = None
+    effort: Effort, *, min_size: int = 1, max_size: int | None = None
 ) -> st.SearchStrategy[WorldSpec]:
-    """The profile's fixed list of shapes (live worlds are reused across examples) of
-    ``min_size`` to ``max_size`` ranks; the wide ones only when the profile generates the
+    """The effort's fixed list of shapes (live worlds are reused across examples) of
+    ``min_size`` to ``max_size`` ranks; the wide ones only when the effort generates the
     ``wide_world`` class."""
-    wide = profile.generates("wide_world")
+    wide = effort.generates("wide_world")
     shapes = [
         s
-        for s in profile.shapes
+        for s in effort.shapes
         if min_size <= s.world_size <= (max_size or s.world_size) and (wide or not is_wide(s))
     ]
     return st.sampled_from(shapes)
@@ -259,22 +259,22 @@ def layouts(
 @st.composite
 def setups(
     draw: st.DrawFn,
-    profile: Profile,
+    effort: Effort,
     *,
     min_mtp: int = 0,
     routing: st.SearchStrategy[dict[str, object]] | None = None,
     shapes: st.SearchStrategy[WorldSpec] | None = None,
 ) -> Setup:
-    world = draw(shapes if shapes is not None else world_shapes(profile))
+    world = draw(shapes if shapes is not None else world_shapes(effort))
     layout = draw(
         layouts(
             world.pp,
-            max_per_stage=profile.max_layers_per_stage,
-            max_microbatches=profile.max_microbatches,
+            max_per_stage=effort.max_layers_per_stage,
+            max_microbatches=effort.max_microbatches,
             min_mtp=min_mtp,
             routing=routing,
-            flexible=profile.generates("flexible_layout"),
-            max_vpp=profile.max_vpp if profile.generates("virtual_pipeline") else 1,
+            flexible=effort.generates("flexible_layout"),
+            max_vpp=effort.max_vpp if effort.generates("virtual_pipeline") else 1,
         )
     )
     return Setup(world=world, layout=layout)
@@ -433,7 +433,7 @@ def moe_arguments(
 @st.composite
 def moe_scenarios(
     draw: st.DrawFn,
-    profile: Profile,
+    effort: Effort,
     semantic: Semantic,
     *,
     min_steps: int = 1,
@@ -444,12 +444,12 @@ def moe_scenarios(
 ) -> Scenario:
     """Synthetic records on every rank, then ``get_moe_metrics`` after every step (a step
     program with several steps, see `steps_of`)."""
-    setup = draw(setups(profile))
+    setup = draw(setups(effort))
     layout = setup.layout
     per_layer_logging = draw(st.booleans()) if per_layer is None else per_layer
-    count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
+    count = draw(st.integers(min_steps, max(min_steps, min(max_steps, effort.max_steps))))
     num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
-    forms = profile.generates("argument_forms")
+    forms = effort.generates("argument_forms")
     form: MtpLossScaleForm = draw(loss_scale_forms(semantic)) if forms else "float"
     assert form != "default"
     sign = draw(SCALE_SIGNS) if forms else 1.0
@@ -471,8 +471,8 @@ def moe_scenarios(
             }
         )
 
-    steps = draw(steps_of(profile, setup, scales, [call]))
-    return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+    steps = draw(steps_of(effort, setup, scales, [call]))
+    return Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)
 
 
 CallMaker = Callable[[float], CallSpec]
@@ -507,12 +507,12 @@ def step_program(
 
 @st.composite
 def steps_of(
-    draw: st.DrawFn, profile: Profile, setup: Setup, scales: list[float], calls: list[CallMaker]
+    draw: st.DrawFn, effort: Effort, setup: Setup, scales: list[float], calls: list[CallMaker]
 ) -> list[Step]:
-    """One step per scale: a `step_program` when there is more than one and the profile
+    """One step per scale: a `step_program` when there is more than one and the effort
     generates the ``multi_step`` class, else every step records and makes every call, in
     order."""
-    if len(scales) > 1 and profile.generates("multi_step"):
+    if len(scales) > 1 and effort.generates("multi_step"):
         return draw(step_program(setup, scales, calls))
     values = values_for(scales)
     return [
@@ -527,7 +527,7 @@ def steps_of(
 @st.composite
 def mtp_scenarios(
     draw: st.DrawFn,
-    profile: Profile,
+    effort: Effort,
     semantic: Semantic = "seed",
     *,
     min_steps: int = 1,
@@ -539,9 +539,9 @@ def mtp_scenarios(
     With the generator class ``argument_forms``: ``loss_scale`` in every form of `loss_scale_forms`
     (``get_mtp_metrics()`` without an argument where a scale of 1 is allowed), negative and
     very large scales."""
-    setup = draw(setups(profile, min_mtp=1))
-    count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
-    forms = profile.generates("argument_forms")
+    setup = draw(setups(effort, min_mtp=1))
+    count = draw(st.integers(min_steps, max(min_steps, min(max_steps, effort.max_steps))))
+    forms = effort.generates("argument_forms")
     form: MtpLossScaleForm = (
         draw(loss_scale_forms(semantic, default=scale_one)) if forms else "float"
     )
@@ -553,18 +553,18 @@ def mtp_scenarios(
             return MtpCall(loss_scale_form="default")
         return MtpCall(loss_scale=scale, loss_scale_form=form)
 
-    steps = draw(steps_of(profile, setup, scales, [call]))
-    return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+    steps = draw(steps_of(effort, setup, scales, [call]))
+    return Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)
 
 
 @st.composite
-def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
+def interleaved_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Scenario:
     """Both functions over a step program: ``get_moe_metrics`` (the document's pre-initialising
     call) and ``get_mtp_metrics``, with the step's ``loss_scale``, in either order, some steps
     calling one or none."""
-    setup = draw(setups(profile))
+    setup = draw(setups(effort))
     layout = setup.layout
-    count = draw(st.integers(2, max(2, profile.max_steps)))
+    count = draw(st.integers(2, max(2, effort.max_steps)))
     scales = draw(step_scales(setup, count, allow_one=True, forms=False, sign=1.0))
 
     def moe(scale: float) -> CallSpec:
@@ -573,23 +573,23 @@ def interleaved_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic)
     def mtp(scale: float) -> CallSpec:
         return MtpCall(loss_scale=scale)
 
-    steps = draw(steps_of(profile, setup, scales, [moe, mtp]))
-    return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
+    steps = draw(steps_of(effort, setup, scales, [moe, mtp]))
+    return Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)
 
 
 @st.composite
-def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> Scenario:
+def router_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Scenario:
     """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``. Only
     routing configurations the installed release's router runs are drawn."""
     setup = draw(
         setups(
-            profile,
+            effort,
             routing=routing_configs(sinkhorn=False, router=installed_router_routing()),
-            shapes=world_shapes(profile, max_size=4),
+            shapes=world_shapes(effort, max_size=4),
         )
     )
     layout = setup.layout
-    count = draw(st.integers(1, min(2, profile.max_steps)))
+    count = draw(st.integers(1, min(2, effort.max_steps)))
     calls = [
         moe_call(layout, semantic, loss_scale=1.0 / layout.microbatches, per_layer_logging=True)
     ]
@@ -598,7 +598,7 @@ def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> S
         mode="router",
         seed=draw(st.integers(0, 2**16)),
         steps=[Step(calls=list(calls)) for _ in range(count)],
-        deadline_s=profile.deadline_s,
+        deadline_s=effort.deadline_s,
     )
 
 
@@ -756,33 +756,33 @@ def broadcast_call(
 
 @st.composite
 def broadcast_scenarios(
-    draw: st.DrawFn, profile: Profile, mode: BufferMode, semantic: Semantic = "seed"
+    draw: st.DrawFn, effort: Effort, mode: BufferMode, semantic: Semantic = "seed"
 ) -> Scenario:
     """One step of broadcasts (one with an invalid input; else 1-2, or 1-3 over subgroups: then
     several sources in one step)."""
-    groups = profile.generates("group_broadcast")
+    groups = effort.generates("group_broadcast")
     min_size = 1 if mode == "mixed" else 2
-    world = draw(world_shapes(profile, min_size=min_size))
+    world = draw(world_shapes(effort, min_size=min_size))
     count = 1 if mode == "invalid" else draw(st.integers(1, 3 if groups else 2))
     calls = [draw(broadcast_call(world, mode, semantic, groups=groups)) for _ in range(count)]
     setup = Setup(world=world, layout=ModelLayout(num_layers=world.pp))
-    return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=profile.deadline_s)
+    return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=effort.deadline_s)
 
 
 # -- single-rank functions ---------------------------------------------------------------------
 
 
 @st.composite
-def track_names_scenarios(draw: st.DrawFn, profile: Profile) -> Scenario:
+def track_names_scenarios(draw: st.DrawFn, effort: Effort) -> Scenario:
     layout = draw(layouts(1, max_per_stage=4))
     setup = Setup(world=WorldSpec(), layout=layout)
     return Scenario(
-        setup=setup, steps=[Step(calls=[TrackNamesCall()])], deadline_s=profile.deadline_s
+        setup=setup, steps=[Step(calls=[TrackNamesCall()])], deadline_s=effort.deadline_s
     )
 
 
 @st.composite
-def round_up_scenarios(draw: st.DrawFn, profile: Profile) -> Scenario:
+def round_up_scenarios(draw: st.DrawFn, effort: Effort) -> Scenario:
     values = st.one_of(st.integers(0, 64), st.integers(0, 2**62))
     multiples = st.one_of(st.integers(1, 16), st.integers(1, 2**40))
     calls = [
@@ -790,4 +790,4 @@ def round_up_scenarios(draw: st.DrawFn, profile: Profile) -> Scenario:
         for _ in range(draw(st.integers(1, 8)))
     ]
     setup = Setup(layout=ModelLayout(num_layers=1))
-    return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=profile.deadline_s)
+    return Scenario(setup=setup, steps=[Step(calls=list(calls))], deadline_s=effort.deadline_s)

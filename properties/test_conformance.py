@@ -26,8 +26,8 @@ def test_property(
     pipemetrics_pool: Any,
     pipemetrics_coverage: Any,
 ) -> None:
-    if pipemetrics_options.semantic not in prop.profiles:
-        pytest.skip(f"not part of the {pipemetrics_options.semantic} profile")
+    if pipemetrics_options.profile not in prop.profiles:
+        pytest.skip(f"not part of the {pipemetrics_options.profile} profile")
     missing = [name for name in prop.functions if name not in pipemetrics_provided]
     if missing:
         pytest.skip(f"absent: the target does not define {', '.join(missing)}")

@@ -1,5 +1,5 @@
-"""``pipemetrics vendor DEST``: write the reference as one self-contained file to copy into a tree;
-``pipemetrics vendor --check FILE``: whether such a file is still what ``vendor`` writes.
+"""The vendored reference: the file ``pipemetrics vendor DEST`` writes and ``pipemetrics vendor
+--check FILE`` compares against (the command itself is `pipemetrics.commands.vendor`).
 
 The file is the text of ``pipemetrics/reference/megatron_common.py`` unchanged, behind a header
 comment that names the pipemetrics version, the sha256 of the reference text, the megatron-core
@@ -18,15 +18,11 @@ import ast
 import hashlib
 import importlib.util
 import os
-import sys
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
 
 MODULE_FILE = "megatron_common.py"
-_EXIT_OK = 0
-_EXIT_DRIFT = 1
-_EXIT_USAGE = 2
 _FIRST_LINE = "# Vendored from pipemetrics "
 _DIGEST_LINE = "# Reference sha256: "
 _REGENERATE_LINE = "#     pipemetrics vendor "
@@ -84,7 +80,7 @@ def header(shown_dest: str, *, version: str, digest: str, megatron_range: str) -
     return "\n".join(lines) + "\n"
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """``path`` relative to the working directory when it lies below it, else absolute."""
     absolute = path.absolute()
     try:
@@ -170,64 +166,3 @@ def first_difference(actual: str, expected: str) -> tuple[int, str, str] | None:
         if a != b:
             return number, a, b
     raise AssertionError("unreachable: different texts with the same lines")
-
-
-def _why(declared: VendoredHeader, text: str) -> str:
-    """Which part drifted: the header, the reference text, or neither (another reference)."""
-    body = source_digest("".join(text.splitlines(keepends=True)[declared.length :]))
-    if body == source_digest(reference_path().read_text(encoding="utf-8")):
-        if declared.digest is None:
-            return (
-                "the header has no sha256 line (vendored by an older pipemetrics, or edited); "
-                "the reference text is intact"
-            )
-        return "the header was edited (the reference text is intact)"
-    if body == declared.digest:
-        return (
-            f"the copy is unedited but vendored from another reference (pipemetrics "
-            f"{declared.version}, installed {pipemetrics_version()}): regenerate it with "
-            f"`pipemetrics vendor {declared.dest}`"
-        )
-    return "the reference text was edited after vendoring (its sha256 is not the header's)"
-
-
-def check_main(path: str) -> int:
-    """``pipemetrics vendor --check FILE``: 0 when FILE is what ``vendor`` writes for the
-    destination its header declares (FILE itself when no line declares one), 1 on drift, 2
-    when FILE is unreadable or has no vendored header."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-        declared = read_header(text)
-        expected = vendored_text(declared.dest or _shown(Path(path)))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        print(f"pipemetrics vendor --check: {path}: {exc}", file=sys.stderr)
-        return _EXIT_USAGE
-    difference = first_difference(text, expected)
-    if difference is None:
-        digest = source_digest(reference_path().read_text(encoding="utf-8"))
-        print(f"{path}: up to date (pipemetrics {declared.version}, sha256 {digest[:12]})")
-        return _EXIT_OK
-    number, found, wanted = difference
-    print(
-        f"{path}:{number}: drift: {_why(declared, text)}\n"
-        f"  found:    {found.rstrip(chr(10))!r}\n"
-        f"  expected: {wanted.rstrip(chr(10))!r}",
-        file=sys.stderr,
-    )
-    return _EXIT_DRIFT
-
-
-def vendor_main(dest: str) -> int:
-    try:
-        target = resolve_dest(dest)
-    except FileNotFoundError as exc:
-        print(f"pipemetrics vendor: {exc}", file=sys.stderr)
-        return _EXIT_USAGE
-    try:
-        text = vendored_text(_shown(target))
-        target.write_text(text, encoding="utf-8")
-    except (OSError, ValueError) as exc:
-        print(f"pipemetrics vendor: {exc}", file=sys.stderr)
-        return _EXIT_USAGE
-    print(f"wrote {target} (pipemetrics {pipemetrics_version()} reference)")
-    return _EXIT_OK

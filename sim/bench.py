@@ -1,4 +1,5 @@
-"""``pipemetrics bench``: throughput, scaling, hang verdicts and per-call cost, side by side.
+"""What ``pipemetrics bench`` measures (the command is `pipemetrics.commands.bench`): throughput,
+scaling, hang verdicts and per-call cost, side by side.
 
 Everything is measured in one run on the same machine, each against what a user would otherwise
 use (never against a constant the bench chose):
@@ -10,7 +11,7 @@ use (never against a constant the bench chose):
    that imported torch and megatron-core once), and a world spawned once per test of
    ``examples_per_test`` examples, torch's ``MultiProcessTestCase`` pattern (``spawn`` start,
    each rank imports torch and megatron-core itself), its start amortised over the test;
-2. scaling: per tier (`TIERS`), examples per second, peak RSS per rank (``VmHWM`` of every rank
+2. scaling: per tier (`TIER_POOLS`), examples per second, peak RSS per rank (``VmHWM`` of every rank
    process after the examples, and its proportional share, ``Pss``) and world start time against
    world size;
 3. deadlock verdicts: end to end, from handing a deadlocking scenario to a pooled world until
@@ -24,7 +25,7 @@ use (never against a constant the bench chose):
 6. hang and mismatch detection (`pipemetrics.sim.hang_detection`) against PyTorch's own tools;
 7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile, and
    beside it ``pipemetrics prove`` on the reference at the default bound: cases, wall time,
-   cases per second and the ratio of the two wall times.
+   cases per second and the ratio of the two wall times (timed by the command, reported here).
 
 ``--plot DIR`` draws the throughput and scaling curves as PNG files (matplotlib, the ``plot``
 extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
@@ -39,17 +40,15 @@ What the installed megatron-core cannot run (`tier_unsupported`: the in-process 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,12 +66,10 @@ from pipemetrics.sim.hang_detection import (
     MismatchKind,
     Tool,
     default_timeout_s,
-    markdown_table,
     measure_hang_detection,
     report_section,
 )
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.protocol import RunMode
@@ -88,7 +85,6 @@ GATED_DEADLINE_S = 30.0
 PERCENTILES = (50, 95)
 HYPOTHESIS_DEFAULT_EXAMPLES = 100
 """Hypothesis' default ``max_examples``: the examples of one test in the spawn-per-test mode."""
-PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
 
 DEADLOCK_TARGET = """\
 import torch.distributed as dist
@@ -122,6 +118,10 @@ NOT_MEASURED = "not measured on this release"
 """How the report says that a measurement the installed megatron-core cannot run was left out."""
 
 
+Judge = Callable[[Scenario, WorldRun], list[str]]
+"""A run's problems (empty: it passes)."""
+
+
 class BenchError(RuntimeError):
     """A measurement could not be taken (a run did not end the way the bench needs)."""
 
@@ -134,7 +134,7 @@ class Plan:
     sizes: tuple[int, ...]
     """World sizes of the throughput comparison (every mode runs at each)."""
     scaling_sizes: dict[str, tuple[int, ...]]
-    """World sizes of the scaling curves, per tier (`TIERS`)."""
+    """World sizes of the scaling curves, per tier (`TIER_POOLS`)."""
     persistent_examples: int
     warmup_examples: int
     fork_examples: int
@@ -156,6 +156,9 @@ class Plan:
     hang_tools: tuple[Tool, ...]
     hang_samples: int
     """pipemetrics runs per mismatch kind (the PyTorch tools run each kind once)."""
+    judge: Judge
+    """Judges every throughput example that is judged (the property suite's, given by the
+    command: the simulator does not judge runs itself)."""
 
 
 HANG_SHORT_TIMEOUT_S = 2.0
@@ -164,7 +167,7 @@ HANG_BOUND_S = 4 * HANG_SHORT_TIMEOUT_S
 """A PyTorch case still running this long after its collectives started is killed."""
 
 
-def make_plan(quick: bool, check_timeout_s: float) -> Plan:
+def make_plan(quick: bool, check_timeout_s: float, judge: Judge) -> Plan:
     if quick:
         return Plan(
             quick=True,
@@ -184,6 +187,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
             hang_kinds=("shape", "reduce_op", "skipped"),
             hang_tools=("pipemetrics", "detail_short"),
             hang_samples=1,
+            judge=judge,
         )
     return Plan(
         quick=False,
@@ -203,6 +207,7 @@ def make_plan(quick: bool, check_timeout_s: float) -> Plan:
         hang_kinds=tuple(KINDS),
         hang_tools=("pipemetrics", *TORCH_TOOLS),
         hang_samples=5,
+        judge=judge,
     )
 
 
@@ -226,7 +231,7 @@ class TierPool(Protocol):
     def close(self) -> None: ...
 
 
-TIERS: dict[str, Callable[[int], TierPool]] = {
+TIER_POOLS: dict[str, Callable[[int], TierPool]] = {
     "process": lambda max_ranks: WorldPool(max_ranks=max_ranks),
     "inprocess": lambda max_ranks: WorldPool(max_ranks=max_ranks, tier="inprocess"),
 }
@@ -383,10 +388,8 @@ def deadlock_target() -> Iterator[Path]:
         yield path
 
 
-def _judged(scenario: Scenario, run: WorldRun) -> None:
-    from pipemetrics.properties.verdict import judge_run
-
-    if judge_run(scenario, run):
+def _judged(judge: Judge, scenario: Scenario, run: WorldRun) -> None:
+    if judge(scenario, run):
         raise BenchError(
             f"a throughput example on {scenario.setup.world.key} did not pass "
             f"({run.verdict.kind}: {run.verdict.message[:600]})"
@@ -470,14 +473,16 @@ def _ran(scenario: Scenario, run: WorldRun) -> None:
                          f"({run.verdict.kind}: {run.verdict.message[:600]})")  # fmt: skip
 
 
-def persistent_in(tier: str, warmup: int, *, mode: RunMode = RunMode.GATED) -> Measure:
+def persistent_in(
+    tier: str, warmup: int, judge: Judge, *, mode: RunMode = RunMode.GATED
+) -> Measure:
     """One pooled world of ``tier`` for all the examples: its start and the first ``warmup``
     examples are not timed (the steady state of a property run). ``mode`` `RunMode.ALONE`
     (the in-process tier): the ranks' own work alone, not judged."""
-    check = _ran if mode is RunMode.ALONE else _judged
+    check = _ran if mode is RunMode.ALONE else functools.partial(_judged, judge)
 
     def measure(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
-        pool = TIERS[tier](spec.world_size)
+        pool = TIER_POOLS[tier](spec.world_size)
         try:
             world = leftovers.note(pool.world(spec))
             for scenario in scenarios[:warmup]:
@@ -495,7 +500,9 @@ def persistent_in(tier: str, warmup: int, *, mode: RunMode = RunMode.GATED) -> M
     return measure
 
 
-def fork_per_example(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
+def fork_per_example(
+    spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers, *, judge: Judge
+) -> ModeRun:
     """A fresh world per example, its ranks forked from the preloaded fork server: start, run,
     judge, close, all timed."""
     starts: list[float] = []
@@ -505,11 +512,13 @@ def fork_per_example(spec: WorldSpec, scenarios: list[Scenario], leftovers: Left
             leftovers.note(world)
             run = world.run(scenario)
             starts.append(world.startup_s)
-        _judged(scenario, run)
+        _judged(judge, scenario, run)
     return ModeRun(len(scenarios), time.perf_counter() - began, starts)
 
 
-def spawn_per_test(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers) -> ModeRun:
+def spawn_per_test(
+    spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftovers, *, judge: Judge
+) -> ModeRun:
     """One world spawned for the whole test (torch's MultiProcessTestCase: ``spawn`` start, each
     rank imports torch and megatron-core itself), every example run in it, then closed; the
     start and the close are timed with the examples."""
@@ -517,7 +526,7 @@ def spawn_per_test(spec: WorldSpec, scenarios: list[Scenario], leftovers: Leftov
     with World(spec, start_method="spawn") as world:
         leftovers.note(world)
         for scenario in scenarios:
-            _judged(scenario, world.run(scenario))
+            _judged(judge, scenario, world.run(scenario))
         memory = rank_memory(world.pids)
         start = world.startup_s
     return ModeRun(len(scenarios), time.perf_counter() - began, [start], memory)
@@ -544,7 +553,7 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         "persistent",
         "persistent pooled world (pipemetrics, process tier)",
         lambda p: p.warmup_examples + p.persistent_examples,
-        lambda p: persistent_in("process", p.warmup_examples),
+        lambda p: persistent_in("process", p.warmup_examples, p.judge),
         tier="process",
         preloaded=True,
     ),
@@ -552,20 +561,20 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         "fork_per_example",
         "a fresh world per example, forked from the preloaded fork server",
         lambda p: p.fork_examples,
-        lambda p: fork_per_example,
+        lambda p: functools.partial(fork_per_example, judge=p.judge),
         preloaded=True,
     ),
     Mode(
         "spawn_per_test",
         "a world spawned per test of {n} examples (MultiProcessTestCase), start amortised",
         lambda p: p.examples_per_test,
-        lambda p: spawn_per_test,
+        lambda p: functools.partial(spawn_per_test, judge=p.judge),
     ),
     Mode(
         "inprocess",
         "persistent in-process world (pipemetrics, in-process tier: every rank in one process)",
         lambda p: p.warmup_examples + p.persistent_examples,
-        lambda p: persistent_in("inprocess", p.warmup_examples),
+        lambda p: persistent_in("inprocess", p.warmup_examples, p.judge),
         tier="inprocess",
         runs_on="inprocess",
     ),
@@ -574,7 +583,7 @@ THROUGHPUT_MODES: tuple[Mode, ...] = (
         "every rank's own work alone, in one process (fill, target, snapshots; collectives move "
         "no data, nothing scheduled or matched, not judged): the ceiling of any in-process tier",
         lambda p: p.warmup_examples + p.persistent_examples,
-        lambda p: persistent_in("inprocess", p.warmup_examples, mode=RunMode.ALONE),
+        lambda p: persistent_in("inprocess", p.warmup_examples, p.judge, mode=RunMode.ALONE),
         runs_on="inprocess",
     ),
 )
@@ -636,7 +645,7 @@ def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
         if unsupported is not None:
             results.leave_out(f"scaling.{tier}", unsupported)
             continue
-        measure = persistent_in(tier, plan.warmup_examples)
+        measure = persistent_in(tier, plan.warmup_examples, plan.judge)
         count = plan.warmup_examples + plan.persistent_examples
         for size in sizes:
             run = measure(pipeline_world(size), examples_for(size, count), leftovers)
@@ -683,7 +692,7 @@ def measure_starts(plan: Plan, results: Results, leftovers: Leftovers) -> None:
         for size in sizes:
             starts = results.tier_starts_s.setdefault(tier, {}).setdefault(size, [])
             while len(starts) < plan.preloaded_starts:
-                pool = TIERS[tier](size)
+                pool = TIER_POOLS[tier](size)
                 try:
                     starts.append(leftovers.note(pool.world(pipeline_world(size))).startup_s)
                 finally:
@@ -768,58 +777,6 @@ def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
         f"hang detection: {len(plan.hang_kinds)} kinds x {len(plan.hang_tools)} tools in "
         f"{time.perf_counter() - began:.1f} s"
     )
-
-
-def _timed_command(plan: Plan, results: Results, key: str, args: list[str]) -> float | None:
-    """Run ``pipemetrics ARGS --json FILE`` in a private directory under the plan's limit; its
-    wall time, or None (with a note naming ``key``) when it did not finish with exit 0. The JSON
-    it wrote is left in ``results.outputs[key]``."""
-    with tempfile.TemporaryDirectory(prefix=f"pipemetrics-bench-{key}-") as directory:
-        out = os.path.join(directory, "out.json")
-        command = [sys.executable, "-m", "pipemetrics.properties.cli", *args,
-                   "--report-dir", os.path.join(directory, "report"), "--json", out]  # fmt: skip
-        _err("running: " + " ".join(command[1:]))
-        began = time.perf_counter()
-        proc = subprocess.Popen(
-            command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        try:
-            stdout, stderr = proc.communicate(timeout=plan.check_timeout_s)
-        except subprocess.TimeoutExpired:
-            results.notes.append(
-                f"{key}: pipemetrics {args[0]} did not finish within {plan.check_timeout_s:g} s;"
-                " recorded null"
-            )
-            return None
-        finally:
-            stop_child(proc)  # SIGTERM first: the command ends its own worlds (also on Ctrl-C)
-        elapsed = time.perf_counter() - began
-        if proc.returncode != 0:
-            tail = (stderr or stdout or "").strip().splitlines()[-6:]
-            results.notes.append(
-                f"{key}: pipemetrics {args[0]} exited {proc.returncode} after {elapsed:.1f} s, "
-                "so it is not a conformant run of the reference; recorded null. " + " | ".join(tail)
-            )
-            return None
-        results.outputs[key] = json.loads(Path(out).read_text(encoding="utf-8"))
-    _err(f"pipemetrics {args[0]} ({key}): {elapsed:.1f} s")
-    return elapsed
-
-
-def measure_check(plan: Plan, results: Results) -> bool:
-    """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
-    args = ["check", "--hypothesis-profile", "ci", "--database", "none"]
-    results.check_s = _timed_command(plan, results, "check_ci_profile_s", args)
-    return results.check_s is not None
-
-
-def measure_prove(plan: Plan, results: Results) -> bool:
-    """Time ``pipemetrics prove`` on the reference at the plan's bound (the default bound, or
-    the quick plan's two single-rank families); False when it was not usable."""
-    tier = "process" if inprocess_unsupported() is not None else "inprocess"
-    args = ["prove", "--tier", tier, *(f"--family={name}" for name in plan.prove_families)]
-    results.prove_s = _timed_command(plan, results, "prove", args)
-    return results.prove_s is not None
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -1204,93 +1161,3 @@ def table(data: dict[str, Any]) -> str:
                f"; families {', '.join(prove['bound']['families'])} only"))),
     ]  # fmt: skip
     return "\n".join(lines)
-
-
-# -- entry point -------------------------------------------------------------------------------
-
-
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json", dest="json_out", default=None, metavar="FILE", help="write the results as JSON"
-    )
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="small counts, sizes 2 and 4, no check run: proves the bench works",
-    )
-    parser.add_argument("--check-timeout", type=float, default=3600.0, metavar="S",
-                        help="limit on the pipemetrics check run (default: %(default)s s)")  # fmt: skip
-    parser.add_argument(
-        "--plot",
-        default=None,
-        metavar="DIR",
-        help=f"draw the throughput and scaling curves as PNG files in DIR (needs matplotlib: "
-        f"{PLOT_EXTRA})",
-    )
-    parser.add_argument(
-        "--from-json",
-        default=None,
-        metavar="FILE",
-        help="measure nothing: print the tables (and --plot the curves) of an earlier --json",
-    )
-
-
-def plotting_available() -> bool:
-    return importlib.util.find_spec("matplotlib") is not None
-
-
-def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
-    print(table(data))
-    if data["hang_detection"] is not None:
-        print()
-        print(markdown_table(data["hang_detection"]))
-    if plot_dir:
-        from pipemetrics.sim.bench_plot import plot
-
-        for path in plot(data, Path(plot_dir)):
-            _err(f"wrote {path}")
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    plot_dir: str | None = getattr(args, "plot", None)
-    if plot_dir and not plotting_available():
-        _err(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
-        return 2
-    from_json: str | None = getattr(args, "from_json", None)
-    if from_json:
-        _finish(json.loads(Path(from_json).read_text(encoding="utf-8")), plot_dir)
-        return 0
-    plan = make_plan(bool(args.quick), float(args.check_timeout))
-    results = Results()
-    leftovers = Leftovers()
-    load_before = os.getloadavg()
-    began = time.perf_counter()
-    try:
-        warm_forkserver(results, leftovers)
-        measure_scaling(plan, results, leftovers)
-        measure_throughput(plan, results, leftovers)
-        measure_starts(plan, results, leftovers)
-        measure_deadlock(plan, results, leftovers)
-        measure_cost(plan, results, leftovers)
-        measure_hang(plan, results, leftovers)
-        check_ok = measure_check(plan, results) if plan.run_check else True
-        check_ok = measure_prove(plan, results) and check_ok
-        data = report(plan, results, leftovers)
-    except BenchError as exc:
-        _err(str(exc))
-        return 1
-    data["details"]["bench_wall_s"] = _num(time.perf_counter() - began)
-    data["machine"]["loadavg_1min"] = {
-        "start": round(load_before[0], 2),
-        "end": round(os.getloadavg()[0], 2),
-    }
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    _finish(data, plot_dir)
-    for note in results.notes:
-        print(f"note: {note}")
-    if data["leftovers"]["surviving_pids"] or data["leftovers"]["surviving_dirs"]:
-        _err(f"left behind: {data['leftovers']['surviving_pids']} "
-             f"{data['leftovers']['surviving_dirs']}")  # fmt: skip
-        return 1
-    return 0 if check_ok else 1

@@ -4,7 +4,7 @@ Importing this module imports torch and megatron-core, so a fork server that pre
 every later rank start in milliseconds. `rank_main` joins the world (gloo over a FileStore in
 the world's private directory, groups from megatron's own ``initialize_model_parallel``),
 reports its place, then serves tasks until told to shut down. The same `serve` loop runs under
-torchrun (see `pipemetrics.sim.torchrun`).
+torchrun (see `pipemetrics.commands.torchrun`).
 """
 
 from __future__ import annotations

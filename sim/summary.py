@@ -1,35 +1,74 @@
-"""Human-readable account of a run: the verdict, the layout picture (stages, groups, where each
-rank stood), then what every rank got. Judging is not done here: every entry point uses
-`pipemetrics.properties.verdict.judge_run`, the same judge as ``pipemetrics check``."""
+"""The one human-readable account of a run, for every command that shows one (``check``'s
+failure write-ups, ``prove``'s failing case, ``replay``, ``demo``, torchrun): the verdict, the
+layout picture (stages, groups, where each rank stood), each rank's stack at a deadline, then
+what every rank did (its place, whether it reported, loaded the target or was aborted, and per
+call its value or its exception). Judging is not done here: every command judges with the
+properties' one judge (``verdict.judge_run``), the same as ``pipemetrics check``."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipemetrics.sim.picture import run_picture
-from pipemetrics.sim.protocol import CallReport
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import WorldRun
 
-
-def call_reports(run: WorldRun) -> dict[tuple[int, int], dict[int, CallReport]]:
-    """Reports grouped by (step, call), then by rank."""
-    grouped: dict[tuple[int, int], dict[int, CallReport]] = {}
-    for rank, result in sorted(run.ranks.items()):
-        if result.done is None:
-            continue
-        for report in result.done.reports:
-            grouped.setdefault((report.step, report.call), {})[rank] = report
-    return grouped
+LIMIT = 400
+"""Characters of a value or an exception message shown per call."""
 
 
-def _short(value: Any, limit: int = 400) -> str:
-    text = repr(value)
+def short(value: Any, limit: int = 300) -> str:
+    """``value`` as compact JSON (``repr`` for what JSON cannot hold), clipped to ``limit``."""
+    try:
+        text = json.dumps(value, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def layout_picture(scenario: Scenario, run: WorldRun) -> str:
+    """The run's layout picture; a note instead if drawing it fails (never hides the failure)."""
+    # a picture that cannot be drawn must not turn the property's fail into a harness error
+    try:
+        return run_picture(scenario.setup, run)
+    except Exception as exc:
+        return f"(no layout picture: {type(exc).__name__}: {exc})"
+
+
+def _rank_lines(run: WorldRun) -> list[str]:
+    lines = []
+    for rank, result in sorted(run.ranks.items()):
+        place = result.place
+        head = (
+            f"rank {rank} (pp {place.pp_rank}, tp {place.tp_rank}, cp {place.cp_rank}, "
+            f"dp {place.dp_rank})"
+        )
+        if result.done is None:
+            lines.append(f"{head}: no report (died or never finished)")
+            continue
+        if result.done.load_error is not None:
+            lines.append(f"{head}: could not load the target: {result.done.load_error.message}")
+        if result.done.aborted:
+            lines.append(f"{head}: aborted by the simulator after the verdict")
+        for report in result.done.reports:
+            what = (
+                f"raised {report.error.type}: {report.error.message[:LIMIT]}"
+                if report.error is not None
+                else f"returned {short(report.value, LIMIT)}"
+            )
+            lines.append(f"{head} step {report.step} call {report.call} {report.function}: {what}")
+    return lines
+
+
+def what_ranks_did(run: WorldRun) -> str:
+    """The verdict, then what each rank did (a failure write-up, beside its layout picture)."""
+    return "\n".join([f"verdict: {run.verdict.text()}", *_rank_lines(run)])
+
+
 def summarize(scenario: Scenario, run: WorldRun) -> str:
-    """The verdict, the layout picture, each rank's values and errors."""
+    """The whole account: the scenario, the verdict, the layout picture, the stacks, what each
+    rank did."""
     lines = [
         f"world {scenario.setup.world.key}, target {scenario.target}, mode {scenario.mode}, "
         f"seed {scenario.seed}",
@@ -37,17 +76,9 @@ def summarize(scenario: Scenario, run: WorldRun) -> str:
     ]
     if run.verdict.latency_ms is not None:
         lines.append(f"verdict latency: {run.verdict.latency_ms:.2f} ms")
-    lines.append(run_picture(scenario.setup, run))
+    lines.append(layout_picture(scenario, run))
     for rank, stack in sorted(run.verdict.stacks.items()):
         lines.append(f"rank {rank} stack at the deadline:\n{stack}")
-    for (step, index), reports in sorted(call_reports(run).items()):
-        spec = scenario.steps[step].calls[index]
-        lines.append(f"step {step} call {index}: {spec.function}")
-        for rank, report in sorted(reports.items()):
-            place = run.ranks[rank].place
-            where = f"rank {rank} (pp {place.pp_rank}, tp {place.tp_rank}, dp {place.dp_rank})"
-            if report.error is not None:
-                lines.append(f"  {where} raised {report.error.type}: {report.error.message}")
-            else:
-                lines.append(f"  {where} -> {_short(report.value)}")
+    lines.append("what each rank did:")
+    lines += _rank_lines(run)
     return "\n".join(lines)

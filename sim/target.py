@@ -46,6 +46,12 @@ def is_path_target(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
+def resolve_target(target: str) -> str:
+    """A path target made absolute (every rank and worker then loads the same file); a module
+    or built-in name unchanged."""
+    return str(Path(target).expanduser().resolve()) if is_path_target(target) else target
+
+
 def load_target(target: str) -> ModuleType:
     """Execute the target module afresh and return it.
 

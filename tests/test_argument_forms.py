@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage, features, generator_classes
-from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.synthetic import VALUE_BANDS
 from pipemetrics.sim.calls import LOSS_SCALE_FORMS, MoeCall, MtpCall, float32_value
 from pipemetrics.sim.layout import ModelLayout, Setup
@@ -29,7 +29,7 @@ from pipemetrics.sim.records import EntrySnapshot, MtpSnapshot, TrackerSnapshot
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import places_for
 
-CI = PROFILES["ci"]
+CI = EFFORTS["ci"]
 WITHOUT = CI.without(["argument_forms"])
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 FIND = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.sim import bench
-from pipemetrics.sim.bench import plotting_available
+from pipemetrics.commands import bench
+from pipemetrics.commands.bench import plotting_available
 from pipemetrics.sim.call_cost import REFERENCE_FUNCTION
 from pipemetrics.sim.hang_detection import measure_pipemetrics
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
@@ -55,7 +55,7 @@ def positive(value: Any) -> bool:
 PLOTTING = plotting_available()
 """matplotlib (the plot extra) is in the dev extra, so CI draws the plots; without it the quick
 run only checks the JSON."""
-BENCH = [sys.executable, "-m", "pipemetrics.properties.cli", "bench"]
+BENCH = [sys.executable, "-m", "pipemetrics.commands.cli", "bench"]
 
 
 def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) -> None:

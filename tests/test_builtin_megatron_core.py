@@ -262,7 +262,7 @@ def test_mtp_equals_the_oracle_and_hand_numbers(pool: TrackingPool) -> None:
 @CLASS_TRACKER_ONLY
 def test_cli_check_and_replay_take_the_builtin_name(tmp_path: Path, bounds: Bounds) -> None:
     """``check --impl megatron-core`` and ``replay`` of a finding, in bounded subprocesses."""
-    cli = [sys.executable, "-m", "pipemetrics.properties.cli"]
+    cli = [sys.executable, "-m", "pipemetrics.commands.cli"]
     finding = str(FINDINGS / "global_aux_loss_dense_stage.json")
     with private_tmpdir() as tmp:
         env = dict(os.environ, TMPDIR=str(tmp), PIPEMETRICS_HYPOTHESIS_DB="none")

@@ -38,7 +38,7 @@ from .conftest import (
 )
 from .test_sim_world import MOE, RECORDS, scenario_for, write_target
 
-CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
+CLI = [sys.executable, "-m", "pipemetrics.commands.cli"]
 
 
 def descendants(root: int) -> set[int]:
@@ -224,7 +224,7 @@ def demo_patched(patch: str, cwd: Path, private: Path, timeout: float) -> str:
     moment); returns its output after checking that it exited as interrupted by that signal,
     with no traceback."""
     script = "\n".join(["import os, signal, sys", patch,
-                        "from pipemetrics.properties.cli import main", "sys.exit(main(['demo']))"])  # fmt: skip
+                        "from pipemetrics.commands.cli import main", "sys.exit(main(['demo']))"])  # fmt: skip
     done = run_bounded([sys.executable, "-c", script], cwd=cwd, timeout=timeout,
                        env=private_env(private))  # fmt: skip
     assert done.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), done.stdout[-4000:]

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.coverage import features, generator_classes
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.judges import whole_run
-from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, BufferSpec
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario, Step
@@ -27,7 +27,7 @@ from pipemetrics.sim.values import make_tensor
 
 from .conftest import TrackingPool
 
-CI = PROFILES["ci"]
+CI = EFFORTS["ci"]
 WITHOUT = CI.without(["group_broadcast"])
 FAST = settings(
     max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
-from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.bench import throughput_scenario
 from pipemetrics.sim.calls import MoeCall, RoundUpCall
@@ -70,7 +70,7 @@ def assert_tiers_agree(
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
     @hypothesis_seed(0)
-    @given(prop.scenarios(PROFILES["ci"], semantic))  # type: ignore[arg-type]
+    @given(prop.scenarios(EFFORTS["ci"], semantic))  # type: ignore[arg-type]
     def compare(scenario: Scenario) -> None:
         nonlocal failing
         update: dict[str, object] = {"property": prop.id, "profile": semantic}

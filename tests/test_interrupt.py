@@ -168,9 +168,9 @@ def test_the_probe_reports_what_a_healthy_target_defines(tmp_path: Path, bounds:
 
 def test_a_worker_that_ends_without_results_makes_its_properties_errors(tmp_path: Path) -> None:
     """``check -n``: a crashed worker's exit code is never passed on; its properties error."""
+    from pipemetrics.commands.check import _worker_results
     from pipemetrics.properties.catalogue import CATALOGUE
     from pipemetrics.properties.coverage import Coverage
-    from pipemetrics.properties.runner import _worker_results
 
     share = list(CATALOGUE[:2])
     results = _worker_results(-signal.SIGKILL, str(tmp_path / "none.json"), share, Coverage())

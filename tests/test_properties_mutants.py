@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
+from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
-from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.layout import installed_layout_takes_mtp, installed_mtp_router_numbering
-from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
@@ -236,7 +236,7 @@ def test_budgets_and_profiles_name_mutants() -> None:
     assert set(EXAMPLES) <= set(MUTANTS)
     assert all(MUTANTS[name].caught_by_classes for name, n in EXAMPLES.items() if n < MAX_EXAMPLES)
     assert set(HYPOTHESIS_PROFILES) <= set(MUTANTS)
-    assert set(HYPOTHESIS_PROFILES.values()) <= set(PROFILES)
+    assert set(HYPOTHESIS_PROFILES.values()) <= set(EFFORTS)
 
 
 def test_every_property_has_a_mutant() -> None:

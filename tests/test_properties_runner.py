@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
-from pipemetrics.sim.replay import replay_main
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -42,7 +42,7 @@ def check(
     cold starts (at least 420 s); assert no leftovers."""
     out = tmp_path / "report.json"
     command = [
-        sys.executable, "-m", "pipemetrics.properties.cli", "check",
+        sys.executable, "-m", "pipemetrics.commands.cli", "check",
         "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args,
     ]  # fmt: skip
     with private_tmpdir() as tmp:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
 from pipemetrics.properties.coverage import features
-from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.reachable import (
     recorded_snapshots,
     routing_violations,
@@ -42,7 +42,7 @@ from pipemetrics.sim.records import (
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import broadcast_plan, places_for
 
-CI = PROFILES["ci"]
+CI = EFFORTS["ci"]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 FIND = settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -300,7 +300,7 @@ def test_rare_layouts_are_generated(name: str) -> None:
 
 
 def test_thorough_profile_reaches_eight_ranks() -> None:
-    thorough = PROFILES["thorough"]
+    thorough = EFFORTS["thorough"]
     assert {w.world_size for w in thorough.shapes} == set(range(1, 9))
     assert max(w.world_size for w in CI.shapes) <= 6  # dp = 3 on two stages
     assert max(w.dp for w in thorough.shapes) == max(w.tp for w in thorough.shapes) == 4

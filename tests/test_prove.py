@@ -12,6 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands.prove import (
+    add_prove_arguments,
+    bound_cli_args,
+    bound_from_args,
+)
 from pipemetrics.properties.prove import (
     Bound,
     BroadcastCase,
@@ -23,11 +28,6 @@ from pipemetrics.properties.prove import (
     merge,
     prove,
     shard_of,
-)
-from pipemetrics.properties.prove_command import (
-    add_prove_arguments,
-    bound_cli_args,
-    bound_from_args,
 )
 from pipemetrics.properties.prove_families import FAMILIES, FAMILY_NAMES
 from pipemetrics.properties.strategies import every_rank_records_every_name
@@ -155,7 +155,7 @@ def test_merged_shards_cover_the_bound_exactly_once(tmp_path: Path) -> None:
 
 
 def _prove_cli(tmp_path: Path, bounds: Bounds, *args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "pipemetrics.properties.cli", "prove",
+    command = [sys.executable, "-m", "pipemetrics.commands.cli", "prove",
                "--report-dir", str(tmp_path / "report"), *args]  # fmt: skip
     with private_tmpdir() as tmp:
         import os

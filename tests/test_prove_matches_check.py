@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.prove import Bound, prove
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.pool import Tier, WorldPool
-from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.target import API_FUNCTIONS
 
 from .broken.mutants import MUTANTS, write_mutant

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands.prove_ray import RayRunError, prove_on_ray, run_shard
+from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.prove import Bound, enumerate_cases, target_sha256
-from pipemetrics.properties.prove_ray import RayRunError, prove_on_ray, run_shard
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.replay import replay_main
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
@@ -37,7 +37,7 @@ def _prove_on_ray(
     tmp_path: Path, bounds: Bounds, *args: str
 ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     """The command with a local Ray instance, in a private TMPDIR; what it left there."""
-    command = [sys.executable, "-m", "pipemetrics.properties.cli", "prove", "--ray", "local",
+    command = [sys.executable, "-m", "pipemetrics.commands.cli", "prove", "--ray", "local",
                "--report-dir", str(tmp_path / "report"), *args]  # fmt: skip
     with private_tmpdir() as tmp:
         done = run_bounded(command, cwd=tmp_path, env=dict(os.environ, TMPDIR=str(tmp)),
@@ -98,7 +98,7 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
 def test_shard_options_that_contradict_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
-    from pipemetrics.properties.cli import main
+    from pipemetrics.commands.cli import main
 
     assert main(["prove", "--report-dir", str(tmp_path), *args]) == 2
     assert message in capsys.readouterr().err

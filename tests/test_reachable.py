@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipemetrics.properties import strategies as s
-from pipemetrics.properties.profiles import PROFILES
+from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import (
@@ -102,7 +102,7 @@ def test_megatron_router_records_only_reachable_states(pool: TrackingPool, name:
 def test_model_snapshots_equal_megatrons_own_recording(
     pool: TrackingPool, data: st.DataObject
 ) -> None:
-    setup = data.draw(s.setups(PROFILES["dev"]))
+    setup = data.draw(s.setups(EFFORTS["dev"]))
     records = data.draw(s.synthetic_records(setup))
     scenario = Scenario(setup=setup, steps=[Step(records=records, calls=[MtpCall()])])
     run = pool.run(scenario)

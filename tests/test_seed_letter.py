@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import CATALOGUE
-from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import legacy_tracker
 
 from .conftest import Bounds

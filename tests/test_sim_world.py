@@ -362,7 +362,7 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None
         [
             sys.executable,
             "-m",
-            "pipemetrics.properties.cli",
+            "pipemetrics.commands.cli",
             "replay",
             str(path),
             "--json",
@@ -380,7 +380,7 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None
         [
             sys.executable,
             "-m",
-            "pipemetrics.properties.cli",
+            "pipemetrics.commands.cli",
             "replay",
             str(path),
             "--impl",
@@ -407,7 +407,7 @@ def test_bad_scenario_files_are_clear_errors(
     path = tmp_path / "bad.json"
     path.write_text(content)
     result = subprocess.run(
-        [sys.executable, "-m", "pipemetrics.properties.cli", "replay", str(path)],
+        [sys.executable, "-m", "pipemetrics.commands.cli", "replay", str(path)],
         capture_output=True,
         text=True,
         timeout=bounds(12, 120),
@@ -429,7 +429,7 @@ def test_torchrun_runs_the_same_scenario(tmp_path: Path, bounds: Bounds) -> None
                 "--nproc-per-node",
                 "2",
                 "-m",
-                "pipemetrics.sim.torchrun",
+                "pipemetrics.commands.torchrun",
                 str(path),
             ],
             capture_output=True,

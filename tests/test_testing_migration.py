@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.properties.cli import main as cli_main
+from pipemetrics.commands.cli import main as cli_main
 from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded

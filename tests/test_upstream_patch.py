@@ -52,7 +52,7 @@ PATCHES = {
     "0.20": UPSTREAM / "moe-report-groups-main.patch",
 }
 MAIN_ARCHIVE = REPO.parent / "shared" / "megatron-core-git" / "megatron-core-main-d98e8a64d.tar.gz"
-CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
+CLI = [sys.executable, "-m", "pipemetrics.commands.cli"]
 #: Added to both copies' report() after patching: each process calling it leaves a file named
 #: by its pid in $UPSTREAM_PATCH_SENTINEL (unset: nothing).
 REPORT_FIRST_LINE = "        metric_names = self._resolve_names(track_names)\n"

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands.cli import main as cli_main
 from pipemetrics.properties import vendor as vendor_module
-from pipemetrics.properties.cli import main as cli_main
 from pipemetrics.properties.vendor import reference_path
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.reference import megatron_common as mc
@@ -30,7 +30,7 @@ from pipemetrics.sim.scenario import Scenario, Step
 from .conftest import Bounds, TrackingPool, run_bounded
 
 REPO = Path(__file__).resolve().parents[1]
-CLI = [sys.executable, "-m", "pipemetrics.properties.cli"]
+CLI = [sys.executable, "-m", "pipemetrics.commands.cli"]
 
 
 def vendor(dest: Path | str, cwd: Path) -> tuple[int, Path]:

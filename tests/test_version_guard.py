@@ -179,7 +179,7 @@ def test_the_inprocess_tier_runs_only_where_it_is_validated(tmp_path: Path) -> N
                             text=True, timeout=120, check=True)  # fmt: skip
     assert "validated on megatron-core 0.18+" in legacy.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "pipemetrics.properties.cli", "prove", "--max-pp", "1"],
+        [sys.executable, "-m", "pipemetrics.commands.cli", "prove", "--max-pp", "1"],
         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert refused.returncode == 2 and "use --tier process" in refused.stderr

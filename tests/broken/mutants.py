@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from pipemetrics.properties.profiles import GENERATOR_CLASSES
+from pipemetrics.properties.effort import GENERATOR_CLASSES
 
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "reference" / "megatron_common.py"
 

@@ -6,7 +6,8 @@ errors. Progress goes to stderr, one line per property; the table, the failure w
 the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
 command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
 the same report to files. ``-n WORKERS`` splits the properties over worker processes, each
-running this same command on its share with its own world pool.
+running this same command on its share with its own world pool, started with every option of
+this run (`pipemetrics.commands.argv.child_command`).
 """
 
 from __future__ import annotations
@@ -23,15 +24,29 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from pipemetrics.commands.argv import child_command
+from pipemetrics.commands.options import (
+    CHECK_TIER,
+    add_json_out,
+    add_load_timeout,
+    add_profile,
+    add_report_dir,
+    add_target,
+    add_tier,
+)
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
-from pipemetrics.properties.engine import PropertyResult, RunOptions, run_property
-from pipemetrics.properties.options import add_load_timeout, add_profile, add_target
-from pipemetrics.properties.profiles import (
-    DEFAULT_PROFILE,
+from pipemetrics.properties.effort import (
+    DEFAULT_EFFORT,
+    EFFORT_NAMES,
     GENERATOR_CLASSES,
-    PROFILE_NAMES,
-    get_profile,
+    get_effort,
+)
+from pipemetrics.properties.engine import (
+    DEFAULT_DATABASE,
+    PropertyResult,
+    RunOptions,
+    run_property,
 )
 from pipemetrics.properties.report import (
     conformant,
@@ -45,14 +60,11 @@ from pipemetrics.properties.report import (
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.sim.interrupt import signal_name, stop_child
-from pipemetrics.sim.pool import TIERS, WorldPool
+from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.probe import probe_target, require_api
-from pipemetrics.sim.target import TargetLoadError, is_path_target
+from pipemetrics.sim.target import TargetLoadError, resolve_target
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-DEFAULT_DATABASE = os.environ.get(
-    "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
-)
 
 
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +84,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="derandomise Hypothesis with this seed (the example database is not used then)",
     )
-    parser.add_argument("--json", dest="json_out", default=None, metavar="FILE")
+    add_json_out(parser, what="the report")
     parser.add_argument("--junit", default=None, metavar="FILE")
     parser.add_argument(
         "--markdown",
@@ -89,7 +101,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="WORKERS",
         help="run properties in this many worker processes",
     )
-    parser.add_argument("--hypothesis-profile", choices=PROFILE_NAMES, default=DEFAULT_PROFILE)
+    parser.add_argument("--hypothesis-profile", choices=EFFORT_NAMES, default=DEFAULT_EFFORT)
     parser.add_argument("--skip", default=None, metavar="FILE", help="property IDs not to run")
     parser.add_argument(
         "--xfail",
@@ -104,12 +116,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ID",
         help="run only these property IDs (or families: moe, mtp.*)",
     )
-    parser.add_argument(
-        "--report-dir",
-        default="pipemetrics-report",
-        metavar="DIR",
-        help="where failing scenarios are written (default: %(default)s)",
-    )
+    add_report_dir(parser)
     parser.add_argument(
         "--database",
         default=DEFAULT_DATABASE,
@@ -131,19 +138,8 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CLASS",
         help="do not generate inputs of this class (repeatable): " + ", ".join(GENERATOR_CLASSES),
     )
-    parser.add_argument(
-        "--tier",
-        choices=TIERS,
-        default="process",
-        help="process: one OS process per rank over real gloo (default); inprocess: every rank "
-        "in one process, scheduled deterministically (faster, wider worlds); a failure it finds "
-        "is confirmed on the process tier before it is reported",
-    )
+    add_tier(parser, default=CHECK_TIER)
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
-
-
-def _resolve_target(target: str) -> str:
-    return str(Path(target).expanduser().resolve()) if is_path_target(target) else target
 
 
 def _err(text: str) -> None:
@@ -168,7 +164,7 @@ def _run_here(
     todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
 ) -> list[PropertyResult]:
     results = []
-    max_ranks = options.profile.max_ranks
+    max_ranks = options.effort.max_ranks
     with (
         WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
@@ -189,23 +185,13 @@ def _progress_for(head: str) -> Callable[[str], None]:
 
 
 def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:
-    command = [
-        sys.executable, "-m", "pipemetrics.properties.cli", "check",
-        "--impl", args.impl, "--profile", args.profile,
-        "--hypothesis-profile", args.hypothesis_profile,
-        "--report-dir", args.report_dir, "--database", args.database,
-        "--load-timeout", str(args.load_timeout), "--tier", args.tier,
-        "--worker-json", out, "--only", *ids,
-    ]  # fmt: skip
-    if args.max_examples is not None:
-        command += ["--max-examples", str(args.max_examples)]
-    if args.seed is not None:
-        command += ["--seed", str(args.seed)]
-    if args.shrink_seconds is not None:
-        command += ["--shrink-seconds", str(args.shrink_seconds)]
-    for name in args.without_class:
-        command += ["--without-class", name]
-    return command
+    """Every option of this run, but: its share of the properties, its results to ``out``, one
+    process, and what only this process does (the reports; the skip and xfail lists, already
+    applied to the share and to its results)."""
+    return child_command(
+        "check", args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
+        markdown=None, skip=None, xfail=None,
+    )  # fmt: skip
 
 
 def _run_workers(
@@ -256,10 +242,10 @@ def _worker_results(
 
 def run_check(args: argparse.Namespace) -> int:
     try:
-        profile = get_profile(args.hypothesis_profile)
+        effort = get_effort(args.hypothesis_profile)
         if args.shrink_seconds is not None:
-            profile = replace(profile, shrink_budget_s=args.shrink_seconds)
-        profile = profile.without(args.without_class)
+            effort = replace(effort, shrink_budget_s=args.shrink_seconds)
+        effort = effort.without(args.without_class)
         selection: Selection = select(args.only, args.skip, args.xfail, profile=args.profile)
     except (SelectionError, ValueError, OSError) as exc:
         _err(f"pipemetrics check: {exc}")
@@ -274,7 +260,7 @@ def run_check(args: argparse.Namespace) -> int:
         if unsupported is not None:
             _err(f"pipemetrics check: --tier inprocess: {unsupported}; use --tier process")
             return EXIT_USAGE
-    target = _resolve_target(args.impl)
+    target = resolve_target(args.impl)
     args.impl = target
     try:
         provided = set(require_api(target, probe_target(target, args.load_timeout)))
@@ -286,8 +272,8 @@ def run_check(args: argparse.Namespace) -> int:
 
     options = RunOptions(
         target=target,
-        semantic=args.profile,
-        profile=profile,
+        profile=args.profile,
+        effort=effort,
         max_examples=args.max_examples,
         seed=args.seed,
         database=args.database,
@@ -306,10 +292,10 @@ def run_check(args: argparse.Namespace) -> int:
             results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")
         else:
             todo.append(prop)
-    coverage = Coverage(profile.classes)
+    coverage = Coverage(effort.classes)
     began = time.monotonic()
     _err(
-        f"pipemetrics check: {target} ({args.profile} profile, {profile.name} Hypothesis "
+        f"pipemetrics check: {target} ({args.profile} profile, {effort.name} Hypothesis "
         f"profile, {args.tier} tier): {len(todo)} properties to run, {len(results)} absent or "
         "skipped"
     )

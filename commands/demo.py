@@ -8,8 +8,11 @@ way a trainer does after a step.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from pipemetrics.commands.options import add_load_timeout, add_target
+from pipemetrics.properties.verdict import judge_run, judgement_text
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
@@ -44,6 +47,15 @@ def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
     return Scenario(setup=setup, mode="router", seed=7, target=target, steps=[Step(calls=calls)])
 
 
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    add_target(parser, instead_of="the reference")
+    add_load_timeout(parser)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    return demo_main(impl=args.impl, load_timeout_s=args.load_timeout)
+
+
 def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S) -> int:
     """Exit 0 when every rank got what the oracle says, 1 otherwise, 2 when ``impl`` (loaded
     first in a child process, under ``load_timeout_s``) cannot be loaded or defines no API
@@ -62,8 +74,6 @@ def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIME
     with World(scenario.setup.world) as world:
         print(f"world started in {world.startup_s:.2f} s")
         run = world.run(scenario)
-    from pipemetrics.properties.verdict import judge_run, judgement_text
-
     print(summarize(scenario, run))
     problems = judge_run(scenario, run)
     print(judgement_text(scenario, problems))

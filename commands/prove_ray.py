@@ -21,14 +21,14 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pipemetrics.commands.argv import child_command, command_args
+from pipemetrics.commands.prove import bound_options
 from pipemetrics.properties.prove import Bound, Certificate, Failure, merge, target_sha256
-from pipemetrics.properties.prove_command import bound_cli_args
 from pipemetrics.sim.pool import Tier
 
 RAY_EXTRA = "pip install 'pipemetrics[ray]'"
@@ -58,11 +58,11 @@ def run_shard(
     k, n = shard
     with tempfile.TemporaryDirectory(prefix="pm-shard-") as scratch:
         out = Path(scratch) / "certificate.json"
-        command = [
-            sys.executable, "-m", "pipemetrics.properties.cli", "prove", "--impl", target,
-            *bound_cli_args(bound), "--shard", f"{k}/{n}", "--tier", tier,
-            "--json", str(out), "--report-dir", str(Path(scratch) / "report"),
-        ]  # fmt: skip
+        args = command_args(
+            "prove", impl=target, **bound_options(bound), shard=f"{k}/{n}", tier=tier,
+            json_out=str(out), report_dir=str(Path(scratch) / "report"),
+        )  # fmt: skip
+        command = child_command("prove", args)
         done = subprocess.run(
             command, env={**os.environ, "TMPDIR": scratch}, capture_output=True, text=True,
             check=False,

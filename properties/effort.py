@@ -1,6 +1,8 @@
-"""Hypothesis profiles of the conformance suite: how many examples, which world shapes, budgets.
+"""How hard the conformance suite searches, chosen by Hypothesis profile name (``check
+--hypothesis-profile``): how many examples, which world shapes, budgets. Called `Effort` here, so
+that "profile" alone means the semantic profile (seed, megatron, strict).
 
-Three profiles, ``dev`` (fast), ``ci`` (sized for a CI job on a 2-core machine) and ``thorough``.
+Three of them, ``dev`` (fast), ``ci`` (sized for a CI job on a 2-core machine) and ``thorough``.
 Worlds are the expensive part, so each profile draws worlds from a short fixed list of shapes
 (every shape is started once per pool and reused across examples). The Hypothesis side of each
 profile is also registered with Hypothesis as ``pipemetrics-<name>`` (namespaced, so an adopter's
@@ -15,7 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 from pipemetrics.sim.layout import WorldSpec
 
-PROFILE_NAMES: tuple[str, ...] = ("dev", "ci", "thorough")
+EFFORT_NAMES: tuple[str, ...] = ("dev", "ci", "thorough")
 
 GENERATOR_CLASSES: dict[str, str] = {
     "flexible_layout": "Megatron's pipeline_model_parallel_layout (PipelineParallelLayerLayout): "
@@ -33,7 +35,7 @@ GENERATOR_CLASSES: dict[str, str] = {
 generates every class unless told not to (``pipemetrics check --without-class NAME``): an adopter
 whose trainer never uses one can leave it out, and the mutant tests show that each class is what
 catches its mutant."""
-DEFAULT_PROFILE = "ci"
+DEFAULT_EFFORT = "ci"
 
 
 def _shape(tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1, ep: int = 1) -> WorldSpec:
@@ -89,8 +91,8 @@ LARGE_SHAPES: tuple[WorldSpec, ...] = (
 
 
 @dataclass(frozen=True)
-class Profile:
-    """Everything a Hypothesis profile decides for the suite."""
+class Effort:
+    """Everything a Hypothesis profile (by its name: dev, ci, thorough) decides for the suite."""
 
     name: str
     max_examples: int
@@ -115,7 +117,7 @@ class Profile:
             raise ValueError(f"unknown generator class {name!r}")
         return name in self.classes
 
-    def without(self, names: list[str]) -> Profile:
+    def without(self, names: list[str]) -> Effort:
         """This profile without the generator classes ``names`` (each must be known)."""
         unknown = sorted(set(names) - set(GENERATOR_CLASSES))
         if unknown:
@@ -130,8 +132,8 @@ class Profile:
         return self.max_examples if override is None else override
 
 
-PROFILES: dict[str, Profile] = {
-    "dev": Profile(
+EFFORTS: dict[str, Effort] = {
+    "dev": Effort(
         "dev",
         max_examples=10,
         shapes=(*SMALL_SHAPES[:5], WIDE_SHAPES[0]),
@@ -141,8 +143,8 @@ PROFILES: dict[str, Profile] = {
         deadline_s=15.0,
         shrink_budget_s=20.0,
     ),
-    "ci": Profile("ci", max_examples=150, shapes=SMALL_SHAPES + WIDE_SHAPES, shrink_budget_s=45.0),
-    "thorough": Profile(
+    "ci": Effort("ci", max_examples=150, shapes=SMALL_SHAPES + WIDE_SHAPES, shrink_budget_s=45.0),
+    "thorough": Effort(
         "thorough",
         max_examples=1000,
         shapes=LARGE_SHAPES,
@@ -157,12 +159,12 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-def get_profile(name: str) -> Profile:
+def get_effort(name: str) -> Effort:
     try:
-        return PROFILES[name]
+        return EFFORTS[name]
     except KeyError:
         raise ValueError(
-            f"unknown Hypothesis profile {name!r}; choose one of {', '.join(PROFILE_NAMES)}"
+            f"unknown Hypothesis profile {name!r}; choose one of {', '.join(EFFORT_NAMES)}"
         ) from None
 
 
@@ -175,7 +177,7 @@ SUPPRESSED = [
 PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
 
 
-def hypothesis_settings(profile: Profile, max_examples: int, *, database: object) -> settings:
+def hypothesis_settings(effort: Effort, max_examples: int, *, database: object) -> settings:
     """Settings for one property: no Hypothesis deadline (the simulator enforces deadlines)."""
     return settings(
         max_examples=max_examples,
@@ -190,10 +192,10 @@ def hypothesis_settings(profile: Profile, max_examples: int, *, database: object
 
 def register_hypothesis_profiles() -> None:
     """Register ``pipemetrics-dev``/``-ci``/``-thorough`` with Hypothesis (idempotent)."""
-    for profile in PROFILES.values():
+    for effort in EFFORTS.values():
         settings.register_profile(
-            f"pipemetrics-{profile.name}",
-            max_examples=profile.max_examples,
+            f"pipemetrics-{effort.name}",
+            max_examples=effort.max_examples,
             deadline=None,
             phases=PHASES,
             suppress_health_check=SUPPRESSED,

@@ -7,16 +7,38 @@ prints the runner's verdict, exits 1 while the failure persists and 0 once it is
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
+from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target
+from pipemetrics.properties.runview import HarnessFault
+from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.summary import summarize
 from pipemetrics.sim.target import TargetLoadError
 from pipemetrics.sim.world import World, WorldStartError
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="a scenario JSON file written by a failing check")
+    add_target(parser, instead_of="the scenario's")
+    parser.add_argument("--raw", action="store_true", help="real backend, no interposition")
+    add_json_out(parser, what="the run")
+    add_load_timeout(parser)
+
+
+def replay_command(args: argparse.Namespace) -> int:
+    return replay_main(
+        args.scenario,
+        impl=args.impl,
+        raw=args.raw,
+        json_out=args.json_out,
+        load_timeout_s=args.load_timeout,
+    )
 
 
 def replay_main(
@@ -29,9 +51,6 @@ def replay_main(
 ) -> int:
     """Exit 0 when the run passes, 1 when it fails, 2 when the file, the ``impl`` target (loaded
     first in a child process, under ``load_timeout_s``), the world or the judge is unusable."""
-    from pipemetrics.properties.runview import HarnessFault
-    from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
-
     try:
         scenario = load_scenario(path)
     except ScenarioFileError as exc:

@@ -5,10 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
-from pipemetrics.properties.options import add_load_timeout, add_profile, add_target
+from pipemetrics.commands.argv import argv_for, command_args
+from pipemetrics.commands.options import (
+    PROVE_TIER,
+    add_json_out,
+    add_load_timeout,
+    add_profile,
+    add_report_dir,
+    add_target,
+    add_tier,
+)
+from pipemetrics.commands.parser import command_parser
 from pipemetrics.properties.prove import (
     Bound,
     Certificate,
@@ -19,7 +30,6 @@ from pipemetrics.properties.prove import (
 )
 from pipemetrics.properties.prove_families import FAMILY_NAMES
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.pool import TIERS
 from pipemetrics.sim.probe import probe_target
 from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError, resolve_builtin
 
@@ -95,22 +105,9 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CERT",
         help="merge shard certificates: check they cover the bound exactly once",
     )
-    parser.add_argument(
-        "--json",
-        dest="json_out",
-        default=None,
-        metavar="FILE",
-        help="write the certificate as JSON",
-    )
-    parser.add_argument(
-        "--tier", choices=TIERS, default="inprocess", help="where cases run (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--report-dir",
-        default="pipemetrics-report",
-        metavar="DIR",
-        help="where the failing case's scenario file goes (default: %(default)s)",
-    )
+    add_json_out(parser, what="the certificate")
+    add_tier(parser, default=PROVE_TIER)
+    add_report_dir(parser)
     add_load_timeout(parser)
 
 
@@ -122,14 +119,20 @@ def bound_from_args(args: argparse.Namespace) -> Bound:
     )  # fmt: skip
 
 
+def bound_options(bound: Bound) -> dict[str, Any]:
+    """The option values that ask for ``bound`` (by dest; the inverse of `bound_from_args`)."""
+    return {
+        "max_pp": bound.max_pp, "max_world": bound.max_world, "steps": bound.steps,
+        "profile": bound.profile, "families": list(bound.families),
+        "parallel_sizes": ",".join(map(str, bound.parallel_sizes)),
+    }  # fmt: skip
+
+
 def bound_cli_args(bound: Bound) -> list[str]:
-    """The flags that ask for ``bound`` (the inverse of `bound_from_args`): what a shard runs
-    with on another machine."""
-    return [
-        "--max-pp", str(bound.max_pp), "--max-world", str(bound.max_world),
-        "--parallel-sizes", ",".join(map(str, bound.parallel_sizes)), "--steps", str(bound.steps),
-        "--profile", bound.profile, *(f"--family={name}" for name in bound.families),
-    ]  # fmt: skip
+    """The flags a shard started for ``bound`` gets (every option explicit, the rest at its
+    default): the inverse of `bound_from_args`."""
+    args = command_args("prove", **bound_options(bound))
+    return argv_for(command_parser("prove"), args, explicit=True)
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -179,7 +182,7 @@ def prove_main(args: argparse.Namespace) -> int:
 
 
 def _on_ray(args: argparse.Namespace, bound: Bound) -> Certificate:
-    from pipemetrics.properties.prove_ray import RayRunError, prove_on_ray
+    from pipemetrics.commands.prove_ray import RayRunError, prove_on_ray
 
     try:
         return prove_on_ray(

@@ -1,6 +1,6 @@
 """Run a scenario under torchrun (torch.distributed.elastic), e.g. on a real NCCL cluster.
 
-    torchrun --nproc-per-node 4 -m pipemetrics.sim.torchrun scenario.json [--impl TARGET]
+    torchrun --nproc-per-node 4 -m pipemetrics.commands.torchrun scenario.json [--impl TARGET]
 
 Every process is one rank and serves the scenario with the same `RankServer` as a simulated
 world, in raw mode: the real backend, no interposition, under a deadline after which each rank
@@ -57,7 +57,7 @@ def _verdict(done: list[Done]) -> Verdict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipemetrics.sim.torchrun")
+    parser = argparse.ArgumentParser(prog="python -m pipemetrics.commands.torchrun")
     parser.add_argument("scenario")
     parser.add_argument("--impl", default=None)
     args = parser.parse_args(argv)
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seconds=0.0,
             reusable=False,
         )
-        from pipemetrics.properties.verdict import judge_run, judgement_text
+        from pipemetrics.properties.verdict import judge_run, judgement_text  # rank 0 only
 
         print(summarize(scenario, run))
         problems = judge_run(scenario, run)

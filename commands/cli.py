@@ -1,8 +1,8 @@
-"""The ``pipemetrics`` command: check, replay, demo, bench, vendor.
+"""The ``pipemetrics`` command: check, prove, replay, demo, bench, vendor.
 
-Each subcommand lives in its own module; this file only parses arguments and maps outcomes to
-exit codes (0 success, 1 a failing verdict, 2 usage or load errors). SIGINT and SIGTERM, at any
-moment, stop the command: every world it started is ended and removed (`SignalGuard`), and it
+Each subcommand lives in its own module of `pipemetrics.commands` (the parser in `parser`); this
+file only parses arguments and maps outcomes to exit codes (0 success, 1 a failing verdict, 2
+usage or load errors). SIGINT and SIGTERM, at any moment, stop the command: every world it started is ended and removed (`SignalGuard`), and it
 exits with 130 (SIGINT) or 143 (SIGTERM).
 """
 
@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import NoReturn
 
+from pipemetrics.commands.parser import build_parser
 from pipemetrics.sim.interrupt import Interrupted, SignalGuard
 
 PARENT_POLL_S = 0.2
@@ -37,92 +38,30 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="pipemetrics-parent-watch", daemon=True).start()
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pipemetrics",
-        description="Check Megatron pipeline-parallel metric helpers in real multi-rank worlds.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    from pipemetrics.properties.options import add_load_timeout
-
-    check = sub.add_parser("check", help="run the conformance suite against an implementation")
-    from pipemetrics.properties.runner import add_check_arguments
-
-    add_check_arguments(check)
-
-    replay = sub.add_parser("replay", help="re-run a scenario file and print its verdict")
-    replay.add_argument("scenario", help="a scenario JSON file written by a failing check")
-    replay.add_argument("--impl", default=None, help="run it against this target instead")
-    replay.add_argument("--raw", action="store_true", help="real backend, no interposition")
-    replay.add_argument("--json", dest="json_out", default=None, help="write the run as JSON")
-    add_load_timeout(replay)
-
-    demo = sub.add_parser(
-        "demo", help="4 gloo ranks, first stage without MoE, MTP on the last stage"
-    )
-    demo.add_argument("--impl", default=None, help="implementation to demonstrate")
-    add_load_timeout(demo)
-
-    bench = sub.add_parser(
-        "bench", help="throughput, scaling, hang verdicts and per-call cost, side by side"
-    )
-    from pipemetrics.sim.bench import add_bench_arguments
-
-    add_bench_arguments(bench)
-
-    prove = sub.add_parser(
-        "prove", help="run every structural case up to a bound and write a certificate"
-    )
-    from pipemetrics.properties.prove_command import add_prove_arguments
-
-    add_prove_arguments(prove)
-
-    vendor = sub.add_parser(
-        "vendor", help="write the reference as one file to vendor, or check such a file"
-    )
-    what = vendor.add_mutually_exclusive_group(required=True)
-    what.add_argument(
-        "dest", nargs="?", help="file (or directory) to write the reference module to"
-    )
-    what.add_argument(
-        "--check",
-        metavar="FILE",
-        help="exit 0 when FILE is what `vendor` writes for its header's destination, 1 on "
-        "drift (naming the first differing line), 2 when FILE is not a vendored copy",
-    )
-    return parser
-
-
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
-        from pipemetrics.properties.runner import run_check
+        from pipemetrics.commands.check import run_check
 
         return run_check(args)
     if args.command == "replay":
-        from pipemetrics.sim.replay import replay_main
+        from pipemetrics.commands.replay import replay_command
 
-        return replay_main(
-            args.scenario,
-            impl=args.impl,
-            raw=args.raw,
-            json_out=args.json_out,
-            load_timeout_s=args.load_timeout,
-        )
+        return replay_command(args)
     if args.command == "bench":
-        from pipemetrics.sim.bench import run_bench
+        from pipemetrics.commands.bench import run_bench
 
         return run_bench(args)
     if args.command == "prove":
-        from pipemetrics.properties.prove_command import prove_main
+        from pipemetrics.commands.prove import prove_main
 
         return prove_main(args)
     if args.command == "vendor":
-        from pipemetrics.properties.vendor import check_main, vendor_main
+        from pipemetrics.commands.vendor import vendor_command
 
-        return vendor_main(args.dest) if args.check is None else check_main(args.check)
-    from pipemetrics.sim.demo import demo_main
+        return vendor_command(args)
+    from pipemetrics.commands.demo import demo_command
 
-    return demo_main(impl=args.impl, load_timeout_s=args.load_timeout)
+    return demo_command(args)
 
 
 def _end_forkserver() -> None:
@@ -150,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             try:
                 _exit_with_parent()
-                args = _parser().parse_args(argv)
+                args = build_parser().parse_args(argv)
                 code = _dispatch(args)
             finally:
                 _end_forkserver()
@@ -171,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The ``pipemetrics`` command (and ``python -m pipemetrics.properties.cli``): `main`, then
+    """The ``pipemetrics`` command (and ``python -m pipemetrics.commands.cli`` or
+    ``python -m pipemetrics.commands``): `main`, then
     exit. After a signal (exit 128 + signum) the exit handlers run (multiprocessing's removes
     its temp dir) and the process ends with ``os._exit``, without the interpreter's teardown:
     everything the command started has ended by then, and the teardown could crash on what the

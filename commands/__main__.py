@@ -1,0 +1,5 @@
+"""``python -m pipemetrics.commands ...``: the ``pipemetrics`` command."""
+
+from pipemetrics.commands.cli import run
+
+run()

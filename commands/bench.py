@@ -1,0 +1,191 @@
+"""``pipemetrics bench``: every measurement of `pipemetrics.sim.bench` in one run, then the wall
+time of ``pipemetrics check`` on the reference with the ci Hypothesis profile and of
+``pipemetrics prove`` at the default bound (each a child process started through
+`pipemetrics.commands.argv.child_command`), the table, the JSON and the plots.
+
+Throughput examples are judged by the property suite's judge (`judge_run`), handed to the
+measurements in the plan. ``--from-json FILE`` prints the table and draws the plots of an
+earlier run without measuring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pipemetrics.commands.argv import child_command, command_args
+from pipemetrics.commands.options import add_json_out
+from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.bench import (
+    BenchError,
+    Leftovers,
+    Plan,
+    Results,
+    _err,
+    _num,
+    make_plan,
+    measure_cost,
+    measure_deadlock,
+    measure_hang,
+    measure_scaling,
+    measure_starts,
+    measure_throughput,
+    report,
+    table,
+    warm_forkserver,
+)
+from pipemetrics.sim.hang_detection import markdown_table
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.interrupt import stop_child
+
+PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
+
+
+def _timed_command(
+    plan: Plan, results: Results, key: str, name: str, **options: Any
+) -> float | None:
+    """Run ``pipemetrics NAME`` with ``options`` (by dest, the rest at their defaults) and
+    ``--json FILE`` in a private directory under the plan's limit; its wall time, or None (with
+    a note naming ``key``) when it did not finish with exit 0. The JSON it wrote is left in
+    ``results.outputs[key]``."""
+    with tempfile.TemporaryDirectory(prefix=f"pipemetrics-bench-{key}-") as directory:
+        out = os.path.join(directory, "out.json")
+        args = command_args(
+            name, **options, report_dir=os.path.join(directory, "report"), json_out=out
+        )
+        command = child_command(name, args)
+        _err("running: " + " ".join(command[1:]))
+        began = time.perf_counter()
+        proc = subprocess.Popen(
+            command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=plan.check_timeout_s)
+        except subprocess.TimeoutExpired:
+            results.notes.append(
+                f"{key}: pipemetrics {name} did not finish within {plan.check_timeout_s:g} s;"
+                " recorded null"
+            )
+            return None
+        finally:
+            stop_child(proc)  # SIGTERM first: the command ends its own worlds (also on Ctrl-C)
+        elapsed = time.perf_counter() - began
+        if proc.returncode != 0:
+            tail = (stderr or stdout or "").strip().splitlines()[-6:]
+            results.notes.append(
+                f"{key}: pipemetrics {name} exited {proc.returncode} after {elapsed:.1f} s, "
+                "so it is not a conformant run of the reference; recorded null. " + " | ".join(tail)
+            )
+            return None
+        results.outputs[key] = json.loads(Path(out).read_text(encoding="utf-8"))
+    _err(f"pipemetrics {name} ({key}): {elapsed:.1f} s")
+    return elapsed
+
+
+def measure_check(plan: Plan, results: Results) -> bool:
+    """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
+    results.check_s = _timed_command(
+        plan, results, "check_ci_profile_s", "check", hypothesis_profile="ci", database="none"
+    )
+    return results.check_s is not None
+
+
+def measure_prove(plan: Plan, results: Results) -> bool:
+    """Time ``pipemetrics prove`` on the reference at the plan's bound (the default bound, or
+    the quick plan's two single-rank families); False when it was not usable."""
+    tier = "process" if inprocess_unsupported() is not None else "inprocess"
+    families = list(plan.prove_families)
+    results.prove_s = _timed_command(plan, results, "prove", "prove", tier=tier, families=families)
+    return results.prove_s is not None
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    add_json_out(parser, what="the results")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small counts, sizes 2 and 4, no check run: proves the bench works",
+    )
+    parser.add_argument("--check-timeout", type=float, default=3600.0, metavar="S",
+                        help="limit on the pipemetrics check run (default: %(default)s s)")  # fmt: skip
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="DIR",
+        help=f"draw the throughput and scaling curves as PNG files in DIR (needs matplotlib: "
+        f"{PLOT_EXTRA})",
+    )
+    parser.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="measure nothing: print the tables (and --plot the curves) of an earlier --json",
+    )
+
+
+def plotting_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
+    print(table(data))
+    if data["hang_detection"] is not None:
+        print()
+        print(markdown_table(data["hang_detection"]))
+    if plot_dir:
+        from pipemetrics.sim.bench_plot import plot
+
+        for path in plot(data, Path(plot_dir)):
+            _err(f"wrote {path}")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    plot_dir: str | None = getattr(args, "plot", None)
+    if plot_dir and not plotting_available():
+        _err(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
+        return 2
+    from_json: str | None = getattr(args, "from_json", None)
+    if from_json:
+        _finish(json.loads(Path(from_json).read_text(encoding="utf-8")), plot_dir)
+        return 0
+    plan = make_plan(bool(args.quick), float(args.check_timeout), judge_run)
+    results = Results()
+    leftovers = Leftovers()
+    load_before = os.getloadavg()
+    began = time.perf_counter()
+    try:
+        warm_forkserver(results, leftovers)
+        measure_scaling(plan, results, leftovers)
+        measure_throughput(plan, results, leftovers)
+        measure_starts(plan, results, leftovers)
+        measure_deadlock(plan, results, leftovers)
+        measure_cost(plan, results, leftovers)
+        measure_hang(plan, results, leftovers)
+        check_ok = measure_check(plan, results) if plan.run_check else True
+        check_ok = measure_prove(plan, results) and check_ok
+        data = report(plan, results, leftovers)
+    except BenchError as exc:
+        _err(str(exc))
+        return 1
+    data["details"]["bench_wall_s"] = _num(time.perf_counter() - began)
+    data["machine"]["loadavg_1min"] = {
+        "start": round(load_before[0], 2),
+        "end": round(os.getloadavg()[0], 2),
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    _finish(data, plot_dir)
+    for note in results.notes:
+        print(f"note: {note}")
+    if data["leftovers"]["surviving_pids"] or data["leftovers"]["surviving_dirs"]:
+        _err(f"left behind: {data['leftovers']['surviving_pids']} "
+             f"{data['leftovers']['surviving_dirs']}")  # fmt: skip
+        return 1
+    return 0 if check_ok else 1
