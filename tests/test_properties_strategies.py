@@ -126,7 +126,8 @@ def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
     for rank, place in places.items():
         per_forward = len(setup.router_slots(place.pp_rank)) * len(layout.recorded_track_names)
         assert len(records.moe.get(rank, [])) == layout.microbatches * per_forward
-    assert tracker_violations(setup, places, recorded_snapshots(places, records)) == []
+    model = recorded_snapshots(places, records, mtp_acceptance=layout.mtp_acceptance)
+    assert tracker_violations(setup, places, model) == []
 
 
 @FAST
