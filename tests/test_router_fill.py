@@ -64,13 +64,18 @@ from pipemetrics.sim.trackers import (
 RELEASE = tuple(int(part) for part in version("megatron-core").split(".")[:2])
 
 
+def _class_saver_parameters() -> list[str]:
+    """The parameters of the imported helper's ``save_loss_to_tracker`` (0.19-0.20 have none)."""
+    saver = getattr(MTPLossLoggingHelper, "save_loss_to_tracker", None)
+    return [] if saver is None else list(inspect.signature(saver).parameters)
+
+
 def _class_mtp_layout() -> str:
     """The MTP tracker's loss key, read from the imported helper's save methods: dev's
     ``save_loss_to_tracker(loss_sum, num_tokens, ...)`` keeps ``loss_sums``; 0.19's
     ``save_metrics_to_tracker`` ``loss_values``; 0.13-0.18's ``save_loss_to_tracker(loss, ...)``
     ``values``."""
-    saver = inspect.signature(MTPLossLoggingHelper.save_loss_to_tracker).parameters
-    if "num_tokens" in saver:
+    if "num_tokens" in _class_saver_parameters():
         return "loss_sums"
     return "loss_values" if mtp_counts_acceptance() else "values"
 
@@ -247,7 +252,7 @@ def test_router_features_read_without_megatron_match_the_class() -> None:
 def test_mtp_tracker_features_read_without_megatron_match_the_classes() -> None:
     # the controller reads the files (sim/mcore/mtp_tracker.py); here the imported classes
     assert installed_mtp_layout() == MTP_LOSS_KEY
-    saver = inspect.signature(MTPLossLoggingHelper.save_loss_to_tracker).parameters
+    saver = _class_saver_parameters()
     assert installed_mtp_per_token_loss() == ("calculate_per_token_loss" in saver)
     switch = hasattr(MTPLossLoggingHelper, "configure_acceptance_collection")
     assert installed_mtp_acceptance_switch() == switch
