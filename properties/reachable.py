@@ -35,7 +35,8 @@ only by ``TopKRouter``):
   placeholder some code pre-initialised.
 
 MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``; 0.13-0.18:
-``save_loss_to_tracker``, the loss only; 0.13 saves it in ``MultiTokenPredictionBlock.forward``):
+``save_loss_to_tracker``, the loss only; 0.13 saves it in ``MultiTokenPredictionBlock.forward``;
+dev: ``save_loss_to_tracker(loss_sum, num_tokens, ...)``, last item):
 
 * held only by the ranks of the last stage, each with ``mtp_num_layers`` slots, no reduce group
   and the installed release's avg group (`installed_mtp_loss_avg_role`: data+context from
@@ -45,7 +46,13 @@ MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp
   with ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones,
   total is the count of valid tokens);
 * the tensor-parallel ranks of one (pp, cp, dp) coordinate hold the same loss and counts (the
-  vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result).
+  vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result);
+* megatron-core dev's training path (`installed_mtp_layout` ``loss_sums``: ``process_mtp_loss``
+  calls ``save_loss_to_tracker(sum(loss_mask * loss), loss_mask.sum(), ...)``,
+  `dev_mtp_violations`): the layout's per-token mode (loss sums and whole token counts, a loss
+  sum of 0 where no token was valid) or per-microbatch normalised losses; the acceptance switch
+  as the layout sets it, counts exactly while collection is on (total = the valid tokens), with
+  their own groups (none, and the loss's avg group).
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ decoder slot), each name the installed router records in the router's order
 ``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
 microbatch (0-based ``layer_number``, averaged over the installed release's group,
 `installed_mtp_loss_avg_role`): a loss and whole token counts with correct <= total, the same on
-tensor-parallel peers.
+tensor-parallel peers; on megatron-core dev as its training path saves them (a loss sum with
+its valid tokens, the layout's per-token mode, counts only while acceptance collection is on).
 """
 
 from __future__ import annotations
