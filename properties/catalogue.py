@@ -273,8 +273,11 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.keys",
         MTP,
         "mtp_{i}_loss / mtp_{i}_acceptance_rate with i from 1 on MTP ranks, {} elsewhere "
-        "(no rate with megatron-core 0.18: no counts)",
-        DOC_MTP_RETURNS + " (a rank holding no MTP layer has no layer to report)",
+        "(no rate with megatron-core 0.18 or with dev's acceptance collection off: no counts); "
+        "a holder returning {} or fewer keys: the MTP metrics went missing",
+        DOC_MTP_RETURNS + " (a rank holding no MTP layer has no layer to report; a rank holding "
+        'one reports it: "This function reduces MTP metrics across ranks and returns a '
+        'dictionary of metrics.")',
         _mtp(),
         j.checked(j.mtp_keys),
     ),

@@ -49,6 +49,10 @@ def layout_features(setup: Setup) -> list[str]:
     if layout.mtp_num_layers:
         found.append("mtp")
         found.append("mtp_moe_layers" if layout.mtp_is_moe else "mtp_dense_layers")
+        if layout.mtp_per_token_loss:
+            found.append("mtp_per_token_loss")
+        if not layout.mtp_acceptance:
+            found.append("mtp_acceptance_off")
     sizes = setup.layers_per_stage
     if layout.num_layers == world.pp:
         found.append("num_layers_eq_pp")
@@ -230,6 +234,14 @@ def features(scenario: Scenario) -> list[str]:
     calls = [call for step in scenario.steps for call in step.calls]
     if any(isinstance(c, MoeCall | MtpCall | TrackNamesCall) for c in calls):
         found += layout_features(scenario.setup)
+    if any(
+        rec.num_tokens == 0.0
+        for step in scenario.steps
+        if step.records is not None
+        for recs in step.records.mtp.values()
+        for rec in recs
+    ):
+        found.append("mtp_zero_token_microbatch")
     if len(scenario.steps) > 1:
         found.append("multi_step")
         found += step_program_traits(scenario)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipemetrics.properties.reachable import dev_recorded_mtp
 from pipemetrics.properties.runview import (
     CallView,
     HarnessFault,
@@ -21,6 +22,7 @@ from pipemetrics.properties.runview import (
 from pipemetrics.sim import oracle
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall, TrackNamesCall
 from pipemetrics.sim.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
+from pipemetrics.sim.records import MtpRecord, MtpSnapshot
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.summary import short
 from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
@@ -452,16 +454,34 @@ def interleaved_values(scenario: Scenario, run: WorldRun) -> list[str]:
 def mtp_keys(scenario: Scenario, run: WorldRun) -> list[str]:
     """Keys are ``mtp_{i}_loss`` / ``mtp_{i}_acceptance_rate`` with i from 1, on MTP holders.
 
-    Exactly the oracle's keys: without acceptance counts in the tracker (megatron-core 0.18) that
-    is ``mtp_{i}_loss`` only, and an acceptance key is reported as unexpected.
+    Exactly the oracle's keys: without acceptance counts in the tracker (megatron-core 0.18, or
+    dev with acceptance collection off) that is ``mtp_{i}_loss`` only, and an acceptance key is
+    reported as unexpected. A holder that returns ``{}`` (or drops keys) is told that the MTP
+    metrics went missing: what an implementation returns when it does not read the tracker
+    layout the installed megatron-core writes (e.g. a copy reading ``tracker["loss_values"]``
+    on megatron-core dev, whose training path writes ``loss_sums``).
     """
 
     def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         if not isinstance(act, dict):
             return [f"returned {short(act)}, not a dict"]
-        if set(map(str, act)) == set(exp):
+        got = set(map(str, act))
+        if got == set(exp):
             return []
-        return [f"keys {sorted(map(str, act))}, expected {sorted(exp)}"]
+        held = view.reports[rank].snapshot.mtp
+        layout = "" if held is None else f" ({_mtp_layout_words(held)})"
+        missing = sorted(set(exp) - got)
+        if exp and not got:
+            return [
+                f"the MTP metrics went missing: returned {{}} although this rank's MTP tracker "
+                f"holds them{layout}; expected keys {sorted(exp)}"
+            ]
+        if missing:
+            return [
+                f"MTP metrics went missing: keys {sorted(got)}, expected {sorted(exp)} "
+                f"(missing {missing}){layout}"
+            ]
+        return [f"keys {sorted(got)}, expected {sorted(exp)}"]
 
     return _per_rank(scenario, run, MtpCall, check)
 
@@ -470,6 +490,16 @@ def mtp_keys(scenario: Scenario, run: WorldRun) -> list[str]:
 def mtp_loss_scale(scenario: Scenario, run: WorldRun) -> list[str]:
     """``mtp_{i}_loss`` is the reduced loss scaled by loss_scale exactly once."""
     return _scaled_problems(scenario, run, MtpCall, lambda k: k.endswith("_loss"))
+
+
+def _mtp_layout_words(held: MtpSnapshot) -> str:
+    """The MTP tracker layout a snapshot was taken from, in the words of megatron-core's keys."""
+    if held.num_tokens is not None:
+        mode = "per-token" if held.per_token else "per-microbatch"
+        return f"megatron-core dev's layout: loss_sums ({mode}), no loss_values"
+    if held.correct is None:
+        return "layout: values (the loss only)"
+    return "layout: loss_values, correct_values, total_values"
 
 
 @_guarded
@@ -488,14 +518,19 @@ def _recorded_mtp(scenario: Scenario, step: int, rank: int) -> dict[str, list[fl
     call alone produce."""
     length = scenario.setup.layout.mtp_num_layers
     out = {"loss": [0.0] * length, "correct": [0.0] * length, "total": [0.0] * length}
-    seen = False
+    seen: list[MtpRecord] = []
     for index in _steps_since_last_call(scenario, step, MtpCall):
         records = scenario.steps[index].records
         for rec in records.mtp.get(rank, []) if records is not None else []:
-            seen = True
+            seen.append(rec)
             out["loss"][rec.layer_number] += rec.loss
-            out["correct"][rec.layer_number] += rec.correct
-            out["total"][rec.layer_number] += rec.total
+            out["correct"][rec.layer_number] += rec.correct or 0.0
+            out["total"][rec.layer_number] += rec.total or 0.0
+    if any(rec.num_tokens is not None for rec in seen):  # dev's save_loss_to_tracker
+        held = dev_recorded_mtp(None, seen)
+        vectors = {"loss": held.loss, "correct": held.correct, "total": held.total,
+                   "num_tokens": held.num_tokens}  # fmt: skip
+        return {field: list(v) for field, v in vectors.items() if v is not None}
     return out if seen else {}
 
 
@@ -512,9 +547,9 @@ def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
             if snap is None:
                 continue
             recorded = _recorded_mtp(scenario, view.step, rank)
-            for field in ("loss", "correct", "total"):
+            for field in ("loss", "correct", "total", "num_tokens"):
                 held_values = getattr(snap, field)
-                if held_values is None:  # no acceptance counts (megatron-core 0.18)
+                if held_values is None:  # no acceptance counts (0.18, dev with collection off)
                     continue
                 held = list(held_values)
                 for line in _vector_problems(f"MTP {field}", held, recorded.get(field, [])):

@@ -128,6 +128,8 @@ ZLoss = Literal["off", "zero", "on"]
 Z_LOSS_COEFF: Mapping[str, float | None] = MappingProxyType({"off": None, "zero": 0.0, "on": 1e-3})
 """``moe_z_loss_coeff`` of each `ZLoss` (0.0: the router records z_loss as NaN)."""
 Counts = Literal["ordinary", "zero_layer", "zero_microbatch", "none_correct", "all_correct"]
+MtpMode = Literal["microbatch", "per_token", "acceptance_off", "per_token_acceptance_off"]
+"""The MTP tracker's modes (megatron-core dev): per-token loss and/or acceptance off."""
 MoeFamily = Literal[
     "layouts", "routing", "flexible", "depth", "counts", "magnitudes", "programs", "arguments"
 ]
@@ -200,6 +202,7 @@ class Case(Frozen):
     z_loss: ZLoss = "on"
     microbatches: int = 1
     counts: Counts = "ordinary"
+    mtp_mode: MtpMode = "microbatch"
     value_scale: float = 1.0
     program: tuple[StepPlan, ...] = ()
     """The steps; empty: the bound's default program (`default_program`)."""
@@ -220,6 +223,8 @@ class Case(Frozen):
             parts.append(f"mb{self.microbatches}")
         if self.counts != "ordinary":
             parts.append(f"counts-{self.counts}")
+        if self.mtp_mode != "microbatch":
+            parts.append(f"mtp-mode-{self.mtp_mode}")
         if self.value_scale != 1.0:
             parts.append(f"values*{self.value_scale:g}")
         if self.program:
@@ -276,6 +281,8 @@ class Case(Frozen):
             aux_loss_coeff=coeff,
             z_loss_coeff=Z_LOSS_COEFF[self.z_loss],
             microbatches=self.microbatches,
+            mtp_per_token_loss=self.mtp_mode.startswith("per_token"),
+            mtp_acceptance=not self.mtp_mode.endswith("acceptance_off"),
         )
         return Setup(world=self.world, layout=layout)
 

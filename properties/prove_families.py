@@ -28,6 +28,7 @@ from pipemetrics.properties.prove_cases import (
     Fixed,
     Invalid,
     MtpKind,
+    MtpMode,
     RoundUpCase,
     Shape,
     StageText,
@@ -49,6 +50,10 @@ from pipemetrics.sim.layout import (
     WorldSpec,
     installed_layout_takes_mtp,
     installed_router_routing,
+)
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_per_token_loss,
 )
 from pipemetrics.sim.topology import places_for
 
@@ -184,12 +189,28 @@ def depth(bound: Bound) -> Iterator[AnyCase]:
                        mtp_layers=2, routing=every_routing(), microbatches=2)  # fmt: skip
 
 
+def mtp_modes() -> tuple[MtpMode, ...]:
+    """The MTP tracker modes the installed helper has (`pipemetrics.sim.mcore.mtp_tracker`):
+    per-microbatch only, except on megatron-core dev (per-token loss, acceptance off), so the
+    enumeration on other releases is unchanged."""
+    per_token, switch = installed_mtp_per_token_loss(), installed_mtp_acceptance_switch()
+    modes: list[MtpMode] = ["microbatch"]
+    modes += ["per_token"] if per_token else []
+    modes += ["acceptance_off"] if switch else []
+    modes += ["per_token_acceptance_off"] if per_token and switch else []
+    return tuple(modes)
+
+
 def counts(bound: Bound) -> Iterator[AnyCase]:
-    for world, mtp, edge in itertools.product(COUNT_WORLDS, ("dense", "moe"), COUNT_EDGES):
+    """Token-count edges (a layer or microbatch without valid tokens, none or all correct), in
+    every MTP tracker mode the installed helper has."""
+    for world, mtp, edge, mode in itertools.product(
+        COUNT_WORLDS, ("dense", "moe"), COUNT_EDGES, mtp_modes()
+    ):
         if fits(world, bound):
             yield Case(family="counts", world=world, stages=("m",) * world.pp, mtp=mtp,
                        mtp_layers=2, routing=every_routing(), microbatches=2,
-                       counts=edge)  # fmt: skip
+                       counts=edge, mtp_mode=mode)  # fmt: skip
 
 
 def magnitudes(bound: Bound) -> Iterator[AnyCase]:

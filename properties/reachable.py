@@ -35,7 +35,8 @@ only by ``TopKRouter``):
   placeholder some code pre-initialised.
 
 MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp_loss``; 0.13-0.18:
-``save_loss_to_tracker``, the loss only; 0.13 saves it in ``MultiTokenPredictionBlock.forward``):
+``save_loss_to_tracker``, the loss only; 0.13 saves it in ``MultiTokenPredictionBlock.forward``;
+dev: ``save_loss_to_tracker(loss_sum, num_tokens, ...)``, last item):
 
 * held only by the ranks of the last stage, each with ``mtp_num_layers`` slots, no reduce group
   and the installed release's avg group (`installed_mtp_loss_avg_role`: data+context from
@@ -45,7 +46,13 @@ MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp
   with ``0 <= correct <= total`` in every slot (correct tokens are a subset of the counted ones,
   total is the count of valid tokens);
 * the tensor-parallel ranks of one (pp, cp, dp) coordinate hold the same loss and counts (the
-  vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result).
+  vocab-parallel cross entropy and argmax give every tensor-parallel rank the full result);
+* megatron-core dev's training path (`installed_mtp_layout` ``loss_sums``: ``process_mtp_loss``
+  calls ``save_loss_to_tracker(sum(loss_mask * loss), loss_mask.sum(), ...)``,
+  `dev_mtp_violations`): the layout's per-token mode (loss sums and whole token counts, a loss
+  sum of 0 where no token was valid) or per-microbatch normalised losses; the acceptance switch
+  as the layout sets it, counts exactly while collection is on (total = the valid tokens), with
+  their own groups (none, and the loss's avg group).
 """
 
 from __future__ import annotations
@@ -54,9 +61,14 @@ import math
 import struct
 
 from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role, installed_router_routing
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_layout,
+    installed_z_loss_nan_at_zero_coeff,
+)
 from pipemetrics.sim.records import (
     DpRule,
     EntrySnapshot,
+    MtpRecord,
     MtpSnapshot,
     RankPlace,
     StepRecords,
@@ -66,12 +78,18 @@ from pipemetrics.sim.records import (
 
 
 def nan_recorded(setup: Setup, name: str) -> bool:
-    """Whether the router records ``name`` as NaN (z-loss with a coefficient of exactly 0)."""
-    return name == "z_loss" and setup.layout.z_loss_coeff == 0.0
+    """Whether the router records ``name`` as NaN: z-loss with a coefficient of exactly 0,
+    where the installed router records it divided by its coefficient
+    (`installed_z_loss_nan_at_zero_coeff`; megatron-core dev records the plain mean)."""
+    return (
+        name == "z_loss"
+        and setup.layout.z_loss_coeff == 0.0
+        and installed_z_loss_nan_at_zero_coeff()
+    )
 
 
-def _role_ranks(place: RankPlace, role: str | None) -> tuple[int, ...] | None:
-    return None if role is None else place.groups[role]
+def _role_ranks(place: RankPlace | None, role: str | None) -> tuple[int, ...] | None:
+    return None if role is None or place is None else place.groups[role]
 
 
 def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) -> list[str]:
@@ -112,6 +130,8 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     if mtp is None or not holds:
         return [] if (mtp is None) == (not holds) else [f"rank {place.rank}: MTP tracker {mtp}"]
     where = f"rank {place.rank} MTP"
+    if installed_mtp_layout() == "loss_sums":
+        return dev_mtp_violations(setup, place, mtp)
     problems = []
     if len(mtp.loss) != layout.mtp_num_layers:
         problems.append(f"{where}: {len(mtp.loss)} loss slots != {layout.mtp_num_layers}")
@@ -130,6 +150,63 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     return problems
 
 
+def _whole(value: float) -> bool:
+    return 0.0 <= value < math.inf and value == int(value)
+
+
+def dev_mtp_violations(setup: Setup, place: RankPlace, mtp: MtpSnapshot) -> list[str]:
+    """How a holder's MTP tracker in megatron-core dev's training-path layout breaks the model:
+    ``loss_sums`` of ``mtp_num_layers`` slots, finite and >= 0, 0 where no token was valid;
+    per-token mode exactly as the layout says, with whole token counts (``num_tokens``) in
+    that mode and none without; acceptance collection as the layout switches it, counts exactly
+    while it is on (``0 <= correct <= total``, total counting the valid tokens: the same mask),
+    with no reduce group and the loss's avg group, as ``process_mtp_loss`` saves them."""
+    layout = setup.layout
+    where = f"rank {place.rank} MTP"
+    problems = []
+    n = layout.mtp_num_layers
+    avg = place.groups[installed_mtp_loss_avg_role()]
+    if len(mtp.loss) != n:
+        problems.append(f"{where}: {len(mtp.loss)} loss slots != {n}")
+    if mtp.reduce_group is not None or mtp.avg_group != avg:
+        problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
+    if not all(0.0 <= v < math.inf for v in mtp.loss):
+        problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
+    if mtp.per_token != layout.mtp_per_token_loss:
+        problems.append(f"{where}: per-token mode {mtp.per_token}")
+    if mtp.acceptance_enabled != layout.mtp_acceptance:
+        problems.append(f"{where}: acceptance collection {mtp.acceptance_enabled}")
+    tokens = mtp.num_tokens or []
+    if mtp.per_token:
+        if len(tokens) != n or not all(_whole(t) for t in tokens):
+            problems.append(f"{where}: num_tokens {tokens} not {n} whole counts")
+        problems += [
+            f"{where}[{i}]: loss {loss} without a valid token"
+            for i, (loss, t) in enumerate(zip(mtp.loss, tokens, strict=False))
+            if t == 0 and loss != 0.0
+        ]
+    elif tokens:
+        problems.append(f"{where}: num_tokens {tokens} outside per-token mode")
+    counted = mtp.correct is not None and mtp.total is not None
+    if counted != layout.mtp_acceptance:
+        problems.append(f"{where}: acceptance counts held: {counted}")
+    if mtp.correct is None or mtp.total is None:
+        if (mtp.acceptance_reduce_group, mtp.acceptance_avg_group) != (None, None):
+            problems.append(f"{where}: acceptance groups without counts")
+        return problems
+    if (mtp.acceptance_reduce_group, mtp.acceptance_avg_group) != (None, avg):
+        problems.append(f"{where}: acceptance groups {mtp.acceptance_reduce_group}, "
+                        f"{mtp.acceptance_avg_group}")  # fmt: skip
+    for i, (correct, total) in enumerate(zip(mtp.correct, mtp.total, strict=True)):
+        if not (_whole(correct) and _whole(total) and correct <= total):
+            problems.append(f"{where}[{i}]: correct {correct}, total {total}")
+        if mtp.per_token and i < len(tokens) and tokens[i] != total:
+            problems.append(f"{where}[{i}]: total {total} != num_tokens {tokens[i]}")
+        if total == 0 and mtp.loss[i] != 0.0:
+            problems.append(f"{where}[{i}]: loss {mtp.loss[i]} without a valid token")
+    return problems
+
+
 def tp_peer_violations(
     setup: Setup, places: dict[int, RankPlace], snapshots: dict[int, TrackerSnapshot]
 ) -> list[str]:
@@ -140,7 +217,9 @@ def tp_peer_violations(
             mine, theirs = snapshots[rank].mtp, snapshots[peer].mtp
             if peer <= rank or mine is None or theirs is None:
                 continue
-            if (mine.loss, mine.correct, mine.total) != (theirs.loss, theirs.correct, theirs.total):
+            if (mine.loss, mine.correct, mine.total, mine.num_tokens) != (
+                theirs.loss, theirs.correct, theirs.total, theirs.num_tokens
+            ):  # fmt: skip
                 problems.append(f"ranks {rank} and {peer}: tensor-parallel peers' MTP differ")
     return problems
 
@@ -176,13 +255,18 @@ PER_ENTRY_DP_RULES: frozenset[DpRule] = frozenset({"needs_dp_avg", "after_reduce
 
 
 def recorded_snapshots(
-    places: dict[int, RankPlace], records: StepRecords, dp_rule: DpRule = "needs_dp_avg"
+    places: dict[int, RankPlace],
+    records: StepRecords,
+    dp_rule: DpRule = "needs_dp_avg",
+    mtp_acceptance: bool = True,
 ) -> dict[int, TrackerSnapshot]:
     """The snapshots that feeding ``records`` to fresh trackers gives, computed without Megatron
     in float32 like Megatron's tensors (a test ties this to the real ``record`` /
     ``save_metrics_to_tracker``), on a release with data-parallel rule ``dp_rule``
     (`pipemetrics.sim.trackers.moe_dp_rule`; it is stamped on every snapshot, and without a
-    per-entry setting, `PER_ENTRY_DP_RULES`, every entry's ``needs_dp_avg`` is True)."""
+    per-entry setting, `PER_ENTRY_DP_RULES`, every entry's ``needs_dp_avg`` is True).
+    ``mtp_acceptance``: the layout's acceptance switch (`ModelLayout.mtp_acceptance`), which
+    megatron-core dev's layout holds (``acceptance_collection_enabled``)."""
     kept = dp_rule in PER_ENTRY_DP_RULES
     snapshots = {}
     for rank, place in places.items():
@@ -197,16 +281,63 @@ def recorded_snapshots(
                                           avg_group=groups[1],
                                           needs_dp_avg=rec.needs_dp_avg or not kept)  # fmt: skip
         mtp = None
+        if any(m.num_tokens is not None for m in records.mtp.get(rank, [])):
+            dev = dev_recorded_mtp(place, records.mtp[rank])
+            dev = dev.model_copy(update={"acceptance_enabled": mtp_acceptance})
+            snapshots[rank] = TrackerSnapshot(moe=moe, mtp=dev, dp_rule=dp_rule)
+            continue
         for m in records.mtp.get(rank, []):
             old = mtp or MtpSnapshot(loss=[0.0] * m.num_layers, correct=[0.0] * m.num_layers,
                                      total=[0.0] * m.num_layers)  # fmt: skip
             loss, correct, total = list(old.loss), list(old.correct or []), list(old.total or [])
             k = m.layer_number
             loss[k] = float32(loss[k] + float32(m.loss))
-            correct[k] = float32(correct[k] + float32(m.correct))
-            total[k] = float32(total[k] + float32(m.total))
+            correct[k] = float32(correct[k] + float32(m.correct or 0.0))
+            total[k] = float32(total[k] + float32(m.total or 0.0))
             mtp = MtpSnapshot(loss=loss, correct=correct, total=total,
                               reduce_group=_role_ranks(place, m.reduce),
                               avg_group=_role_ranks(place, m.avg))  # fmt: skip
         snapshots[rank] = TrackerSnapshot(moe=moe, mtp=mtp, dp_rule=dp_rule)
     return snapshots
+
+
+def dev_recorded_mtp(place: RankPlace | None, records: list[MtpRecord]) -> MtpSnapshot:
+    """The MTP snapshot megatron-core dev's ``save_loss_to_tracker(loss_sum, num_tokens, ...)``
+    leaves after ``records``, in float32 as its tensors: per-token mode sums ``loss_sum`` and
+    ``num_tokens``; otherwise it sums ``loss_sum * (num_tokens > 0) / max(num_tokens, 1)``; the
+    counts (``acceptance_counts``, from the first record with counts) sum into their own
+    groups (without ``place``, no groups). The acceptance switch is not part of the records
+    (the layout's; True here)."""
+    first = records[0]
+    n = first.num_layers
+    loss, tokens = [0.0] * n, [0.0] * n
+    correct: list[float] | None = None
+    total: list[float] | None = None
+    counts_groups: tuple[tuple[int, ...] | None, tuple[int, ...] | None] = (None, None)
+    for m in records:
+        k = m.layer_number
+        num = float32(m.num_tokens or 0.0)
+        if first.per_token:
+            loss[k] = float32(loss[k] + float32(m.loss))
+            tokens[k] = float32(tokens[k] + num)
+        else:
+            share = float32(float32(m.loss) / max(num, 1.0)) if num > 0 else 0.0
+            loss[k] = float32(loss[k] + share)
+        if m.correct is not None and m.total is not None:
+            correct = correct if correct is not None else [0.0] * n
+            total = total if total is not None else [0.0] * n
+            correct[k] = float32(correct[k] + float32(m.correct))
+            total[k] = float32(total[k] + float32(m.total))
+            counts_groups = (_role_ranks(place, m.reduce), _role_ranks(place, m.avg))
+    last = records[-1]
+    return MtpSnapshot(
+        loss=loss,
+        correct=correct,
+        total=total,
+        reduce_group=_role_ranks(place, last.reduce),
+        avg_group=_role_ranks(place, last.avg),
+        num_tokens=tokens if first.per_token else [],
+        per_token=first.per_token,
+        acceptance_reduce_group=counts_groups[0],
+        acceptance_avg_group=counts_groups[1],
+    )

@@ -103,6 +103,11 @@ def _counterexample_summary(data: dict[str, Any]) -> str:
                     items = [
                         f"L{r['layer_number']}: loss={r['loss']!r} correct={r['correct']!r} "
                         f"total={r['total']!r}"
+                        + (
+                            f" num_tokens={r['num_tokens']!r} per_token={r.get('per_token')!r}"
+                            if r.get("num_tokens") is not None
+                            else ""
+                        )
                         for r in recs
                     ]
                 text = ", ".join(items)

@@ -48,6 +48,10 @@ from pipemetrics.sim.layout import (
     installed_layout_takes_mtp,
     installed_router_routing,
 )
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_per_token_loss,
+)
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import broadcast_plan, places_for
 
@@ -253,7 +257,22 @@ def layouts(
         mtp_is_moe=draw(st.booleans()),
         microbatches=draw(st.integers(1, max_microbatches)),
         **config,
+        **draw(mtp_tracker_modes(mtp_num_layers)),
     )
+
+
+def mtp_tracker_modes(mtp_num_layers: int) -> st.SearchStrategy[dict[str, bool]]:
+    """The MTP tracker's modes the installed helper has, drawn by feature
+    (`pipemetrics.sim.mcore.mtp_tracker`): per-token loss (``calculate_per_token_loss``) and
+    acceptance collection switched off (megatron-core dev). Nothing is drawn without MTP
+    layers or where the helper has neither mode, so what a seed draws on other releases is
+    unchanged."""
+    modes: dict[str, st.SearchStrategy[bool]] = {}
+    if mtp_num_layers and installed_mtp_per_token_loss():
+        modes["mtp_per_token_loss"] = st.booleans()
+    if mtp_num_layers and installed_mtp_acceptance_switch():  # shrinks to collection on
+        modes["mtp_acceptance"] = st.booleans().map(lambda off: not off)
+    return st.fixed_dictionaries(modes) if modes else st.just({})
 
 
 @st.composite

@@ -11,7 +11,8 @@ decoder slot), each name the installed router records in the router's order
 ``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
 microbatch (0-based ``layer_number``, averaged over the installed release's group,
 `installed_mtp_loss_avg_role`): a loss and whole token counts with correct <= total, the same on
-tensor-parallel peers.
+tensor-parallel peers; on megatron-core dev as its training path saves them (a loss sum with
+its valid tokens, the layout's per-token mode, counts only while acceptance collection is on).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import nan_recorded
 from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
@@ -110,18 +112,38 @@ def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> Step
 
 
 def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord]:
-    """One rank's MTP records of a step."""
+    """One rank's MTP records of a step, saved as the installed helper's training path saves
+    them (`installed_mtp_layout`): megatron-core dev's ``save_loss_to_tracker(loss_sum,
+    num_tokens, ...)`` with the loss summed over the valid tokens (``total`` of them, the
+    positions the counts cover), the layout's per-token mode, and the counts only while
+    acceptance collection is on; else 0.13-0.19's (a per-token loss and the counts)."""
     layout = setup.layout
     avg = installed_mtp_loss_avg_role()
+    dev = installed_mtp_layout() == "loss_sums"
     records = []
     for microbatch in range(layout.microbatches):
         for k in range(layout.mtp_num_layers):
             loss, correct, total = mtp_value(rank, microbatch, k)
+            loss = loss if total else 0.0  # no valid token: loss 0
+            if dev:
+                records.append(
+                    MtpRecord(
+                        layer_number=k,
+                        num_layers=layout.mtp_num_layers,
+                        loss=loss * total,
+                        num_tokens=total,
+                        correct=correct if layout.mtp_acceptance else None,
+                        total=total if layout.mtp_acceptance else None,
+                        avg=avg,
+                        per_token=layout.mtp_per_token_loss,
+                    )
+                )
+                continue
             records.append(
                 MtpRecord(
                     layer_number=k,
                     num_layers=layout.mtp_num_layers,
-                    loss=loss if total else 0.0,  # no valid token: loss 0
+                    loss=loss,
                     correct=correct,
                     total=total,
                     avg=avg,

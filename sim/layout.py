@@ -348,6 +348,14 @@ class ModelLayout(Frozen):
     num_experts: Annotated[int, Field(ge=2)] = 4
     topk: PositiveInt = 2
     microbatches: PositiveInt = 1
+    mtp_per_token_loss: bool = False
+    """``TransformerConfig.calculate_per_token_loss`` as the MTP layer passes it to megatron-core
+    dev's ``save_loss_to_tracker``: the tracker keeps loss sums and token counts and logs their
+    quotient (`pipemetrics.sim.mcore.mtp_tracker.installed_mtp_per_token_loss`)."""
+    mtp_acceptance: bool = True
+    """Whether the training loop leaves MTP acceptance collection on; False: it calls dev's
+    ``MTPLossLoggingHelper.configure_acceptance_collection(False)`` before recording
+    (`pipemetrics.sim.mcore.mtp_tracker.installed_mtp_acceptance_switch`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -381,6 +389,18 @@ class ModelLayout(Frozen):
                 raise ValueError(f"routing_type: a routing type is listed twice: {types}")
         if self.topk > self.num_experts:
             raise ValueError(f"topk: {self.topk} exceeds num_experts={self.num_experts}")
+        from pipemetrics.sim.mcore import mtp_tracker  # imports this module
+
+        if self.mtp_per_token_loss and not mtp_tracker.installed_mtp_per_token_loss():
+            raise ValueError(
+                "mtp_per_token_loss: the installed MTPLossLoggingHelper.save_loss_to_tracker "
+                "takes no calculate_per_token_loss"
+            )
+        if not self.mtp_acceptance and not mtp_tracker.installed_mtp_acceptance_switch():
+            raise ValueError(
+                "mtp_acceptance: the installed MTPLossLoggingHelper has no "
+                "configure_acceptance_collection to switch acceptance collection off"
+            )
         return self
 
     # -- derived facts -------------------------------------------------------------------------

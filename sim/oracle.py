@@ -460,8 +460,93 @@ def expected_mtp_metrics(
     """
     check_ranks(snapshots, places)
     holders = {rank: snap.mtp for rank, snap in sorted(snapshots.items()) if snap.mtp is not None}
+    if any(snap.num_tokens is not None for snap in holders.values()):
+        return expected_dev_mtp_metrics(holders, places, call)
     counted = mtp_counted(holders)
     loss, correct, total = reduced_mtp_vectors(holders)
+    result: dict[int, dict[str, float]] = {rank: {} for rank in places}
+    for rank in holders:
+        result[rank] = mtp_rank_metrics(
+            loss[rank], correct[rank], total[rank], call.received_loss_scale, counted=counted
+        )
+    return result
+
+
+def dev_mode(holders: Mapping[int, MtpSnapshot]) -> tuple[bool, bool]:
+    """(per-token mode, acceptance counted) of holders in megatron-core dev's training-path
+    layout; ``ValueError`` when they disagree on the layout, the mode or the acceptance
+    switch (their reductions would not match: the reference refuses it on every holder)."""
+    if any(snap.num_tokens is None for snap in holders.values()):
+        raise ValueError("some MTP trackers hold dev's loss_sums layout and others do not")
+    modes = {snap.per_token for snap in holders.values()}
+    switches = {snap.acceptance_enabled for snap in holders.values()}
+    held = {snap.correct is not None and snap.total is not None for snap in holders.values()}
+    if len(modes) > 1 or len(switches) > 1:
+        raise ValueError("the MTP trackers disagree on per-token mode or acceptance collection")
+    if switches == {True} and len(held) > 1:
+        raise ValueError("some MTP trackers hold acceptance counts and others do not")
+    return modes == {True}, switches == {True} and held == {True}
+
+
+def reduced_dev_mtp_vectors(
+    holders: Mapping[int, MtpSnapshot],
+) -> tuple[Vectors, Vectors, Vectors]:
+    """Loss, correct and total vectors of every holder after megatron-core dev's
+    ``track_mtp_metrics`` reductions (``multi_token_prediction.py``, ``reduce_loss_in_tracker``
+    and ``reduce_metrics_in_tracker``):
+
+    * per-token mode: the loss sums and the token counts SUM over ``reduce_group`` and then SUM
+      over ``avg_group`` (data x context), the loss = summed loss / max(summed tokens, 1): a
+      token-weighted mean over ranks and microbatches (0 where no token was valid anywhere);
+    * otherwise the per-microbatch normalised losses SUM over ``reduce_group``, AVG over
+      ``avg_group`` (0.19's reduction);
+    * the counts SUM over ``acceptance_reduce_group`` and then over ``acceptance_avg_group``
+      (all zeros where none are held).
+    """
+    per_token, _ = dev_mode(holders)
+    length = max((len(s.loss) for s in holders.values()), default=0)
+    loss = {rank: pad(s.loss, length) for rank, s in holders.items()}
+    reduce_groups, avg_groups = (
+        mtp_groups(holders, "reduce_group"),
+        mtp_groups(holders, "avg_group"),
+    )
+    if per_token:
+        tokens = {rank: pad(s.num_tokens or [], length) for rank, s in holders.items()}
+        sums = reduce_stage(reduce_stage(loss, reduce_groups, "sum"), avg_groups, "sum")
+        counts = reduce_stage(reduce_stage(tokens, reduce_groups, "sum"), avg_groups, "sum")
+        loss = {
+            rank: [s_i / max(t_i, 1.0) for s_i, t_i in zip(sums[rank], counts[rank], strict=True)]
+            for rank in holders
+        }
+    else:
+        loss = reduce_stage(reduce_stage(loss, reduce_groups, "sum"), avg_groups, "avg")
+    acc_reduce: GroupOf = {}
+    acc_avg: GroupOf = {}
+    for rank, snap in holders.items():
+        if snap.acceptance_reduce_group is not None:
+            acc_reduce[rank] = snap.acceptance_reduce_group
+        if snap.acceptance_avg_group is not None:
+            acc_avg[rank] = snap.acceptance_avg_group
+    correct = {rank: pad(s.correct or [], length) for rank, s in holders.items()}
+    total = {rank: pad(s.total or [], length) for rank, s in holders.items()}
+    correct = reduce_stage(reduce_stage(correct, acc_reduce, "sum"), acc_avg, "sum")
+    total = reduce_stage(reduce_stage(total, acc_reduce, "sum"), acc_avg, "sum")
+    return loss, correct, total
+
+
+def expected_dev_mtp_metrics(
+    holders: Mapping[int, MtpSnapshot], places: Mapping[int, RankPlace], call: MtpCall
+) -> dict[int, dict[str, float]]:
+    """What ``get_mtp_metrics`` must return on megatron-core dev's training-path layout: every
+    holder ``mtp_{i}_loss`` = ``loss_scale *`` the loss `reduced_dev_mtp_vectors` gives (the
+    summed loss over the summed tokens in per-token mode, which is what dev's
+    ``track_mtp_metrics`` logs as ``mtp_{i} loss``), and ``mtp_{i}_acceptance_rate`` from the
+    reduced packed counts only where acceptance was collected: with collection switched off
+    (``configure_acceptance_collection(False)``) dev's ``track_mtp_metrics`` neither reduces
+    nor logs the counts (``has_acceptance`` is false), so there is no rate and the loss keys
+    alone are expected; the same where the tracker holds no counts."""
+    _, counted = dev_mode(holders)
+    loss, correct, total = reduced_dev_mtp_vectors(holders)
     result: dict[int, dict[str, float]] = {rank: {} for rank in places}
     for rank in holders:
         result[rank] = mtp_rank_metrics(

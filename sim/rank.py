@@ -65,6 +65,7 @@ from pipemetrics.sim.trackers import (
     cpu_current_device,
     reset_trackers,
     snapshot,
+    switch_mtp_acceptance,
 )
 from pipemetrics.sim.values import encode, make_tensor
 
@@ -212,6 +213,7 @@ class RankServer:
 
             def fill_routers(step_index: int, step: Step) -> None:
                 with cpu_current_device():
+                    switch_mtp_acceptance(setup.layout.mtp_acceptance)
                     for microbatch in range(setup.layout.microbatches):
                         stage.forward_microbatch(microbatch, step_index)
                         stage.record_mtp(microbatch, step_index)
@@ -223,6 +225,7 @@ class RankServer:
             if step.records is None:
                 return
             with cpu_current_device():
+                switch_mtp_acceptance(setup.layout.mtp_acceptance)
                 apply_moe_records(step.records.moe.get(self.rank, []), self.groups)
                 apply_mtp_records(step.records.mtp.get(self.rank, []), self.groups)
 

@@ -11,7 +11,7 @@ import importlib.util
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipemetrics.sim.layout import (
     Frozen,
@@ -50,7 +50,15 @@ class MtpSnapshot(Frozen):
     """``MTPLossLoggingHelper.tracker`` as a rank holds it before the call under test.
 
     ``correct``/``total`` are ``None`` when the tracker holds no acceptance counts (megatron-core
-    0.18's tracker records the loss only).
+    0.18's tracker records the loss only; dev's when nothing collected them).
+
+    megatron-core dev's training-path layout (``loss_sums``) sets ``num_tokens``: ``loss`` is
+    then ``loss_sums`` (raw loss sums with ``per_token``, whose token counts ``num_tokens``
+    holds; per-microbatch normalised losses without, ``num_tokens`` empty), the counts are
+    ``acceptance_counts``' rows with their own groups (``acceptance_reduce_group``,
+    ``acceptance_avg_group``), and ``acceptance_enabled`` is the tracker's
+    ``acceptance_collection_enabled`` (absent: True). Other layouts leave these at their
+    defaults.
     """
 
     loss: list[float]
@@ -58,6 +66,11 @@ class MtpSnapshot(Frozen):
     total: list[float] | None = None
     reduce_group: Ranks | None = None
     avg_group: Ranks | None = None
+    num_tokens: list[float] | None = None
+    per_token: bool = False
+    acceptance_reduce_group: Ranks | None = None
+    acceptance_avg_group: Ranks | None = None
+    acceptance_enabled: bool = True
 
 
 DpRule = Literal["needs_dp_avg", "after_reduce_group", "always_dp_cp", "none"]
@@ -100,18 +113,38 @@ class MoeRecord(Frozen):
 
 
 class MtpRecord(Frozen):
-    """One ``MTPLossLoggingHelper.save_metrics_to_tracker`` call (``layer_number`` is 0-based).
+    """One save into ``MTPLossLoggingHelper.tracker`` (``layer_number`` is 0-based).
 
-    With megatron-core 0.18 (``save_loss_to_tracker``) ``correct``/``total`` are not recorded.
+    Without ``num_tokens``: ``save_metrics_to_tracker(loss, correct, total, ...)`` (0.19-0.20),
+    ``loss`` the microbatch's per-token loss; with megatron-core 0.13-0.18
+    (``save_loss_to_tracker(loss, ...)``) ``correct``/``total`` are not recorded.
+
+    With ``num_tokens`` (megatron-core dev's training path): ``save_loss_to_tracker(loss_sum,
+    num_tokens, ..., correct, total, calculate_per_token_loss=per_token)``, ``loss`` being the
+    raw ``loss_sum`` (``sum(loss_mask * loss)``) and ``num_tokens`` the valid tokens;
+    ``correct``/``total`` ``None`` where acceptance was not collected (collection off).
     """
 
     layer_number: Annotated[int, Field(ge=0)]
     num_layers: Annotated[int, Field(ge=1)]
     loss: float
-    correct: Annotated[float, Field(ge=0)]
-    total: Annotated[float, Field(ge=0)]
+    correct: Annotated[float, Field(ge=0)] | None
+    total: Annotated[float, Field(ge=0)] | None
     reduce: str | None = None
     avg: str | None = "dp_cp"
+    num_tokens: Annotated[float, Field(ge=0)] | None = None
+    per_token: bool = False
+
+    @model_validator(mode="after")
+    def _counts_together(self) -> MtpRecord:
+        if (self.correct is None) != (self.total is None):
+            raise ValueError("correct/total: give both acceptance counts or neither")
+        if self.num_tokens is None and (self.correct is None or self.per_token):
+            raise ValueError(
+                "num_tokens: only dev's save_loss_to_tracker (with num_tokens) takes a record "
+                "without acceptance counts or in per-token mode"
+            )
+        return self
 
 
 class StepRecords(Frozen):

@@ -64,7 +64,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipemetrics.sim.calls import RouterConfig
 from pipemetrics.sim.layout import ModelLayout, MtpNumbering, Setup
-from pipemetrics.sim.trackers import cpu_current_device, save_mtp
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
+from pipemetrics.sim.trackers import cpu_current_device, save_mtp, save_mtp_per_token
 
 SEQ_LENGTH = 4
 """Tokens per sequence in one router forward (per context-parallel rank)."""
@@ -401,7 +402,12 @@ class RouterStage:
         ``save_metrics_to_tracker(loss, correct, total, layer_number, mtp_num_layers,
         avg_group=dp_cp group)`` with no reduce_group (megatron-core 0.13-0.18:
         ``save_loss_to_tracker``, the loss only, see `save_mtp`; 0.13 with the tensor+context
-        group, see `mtp_loss_avg_group`). Values drawn from (seed, step,
+        group, see `mtp_loss_avg_group`). Where the helper has megatron-core dev's training
+        path (`installed_mtp_layout` ``loss_sums``), dev's ``process_mtp_loss`` call instead:
+        ``save_loss_to_tracker(loss * total, total, layer_number, mtp_num_layers, correct=,
+        total=, avg_group=dp_cp group, calculate_per_token_loss=layout.mtp_per_token_loss)``,
+        the counts only while ``should_collect_acceptance()`` says so (the valid tokens and the
+        counted positions are the same mask). Values drawn from (seed, step,
         microbatch, dp rank, cp rank, layer): loss in [0.5, 3.5), total an integer in
         [1, SEQ_LENGTH * MICRO_BATCH_SIZE * 4], correct an integer in [0, total], all float
         scalars. A no-op elsewhere.
@@ -409,23 +415,35 @@ class RouterStage:
         if not self.records_mtp:
             return
         device = _device()
-        mtp_num_layers = self.setup.layout.mtp_num_layers
+        layout = self.setup.layout
+        mtp_num_layers = layout.mtp_num_layers
         max_total = SEQ_LENGTH * MICRO_BATCH_SIZE * 4
         avg_group = mtp_loss_avg_group()
+        per_token_path = installed_mtp_layout() == "loss_sums"
         with cpu_current_device():
             for layer in range(mtp_num_layers):
                 gen = _generator(self.seed, 2, step, microbatch, self.dp_rank, self.cp_rank, layer)
                 loss = 0.5 + 3.0 * torch.rand((), generator=gen)
                 total = torch.randint(1, max_total + 1, (), generator=gen)
                 correct = torch.randint(0, int(total) + 1, (), generator=gen)
-                save_mtp(
-                    loss.to(device),
-                    correct.to(device=device, dtype=torch.float32),
-                    total.to(device=device, dtype=torch.float32),
-                    layer,
-                    mtp_num_layers,
-                    avg_group=avg_group,
-                )
+                tokens = total.to(device=device, dtype=torch.float32)
+                counts = (correct.to(device=device, dtype=torch.float32), tokens)
+                if per_token_path:  # dev: process_mtp_loss' save_loss_to_tracker
+                    collect = (
+                        multi_token_prediction.MTPLossLoggingHelper.should_collect_acceptance()
+                    )
+                    save_mtp_per_token(
+                        loss.to(device) * tokens,  # sum(loss_mask * loss)
+                        tokens,  # loss_mask.sum(); total counts the same positions
+                        layer,
+                        mtp_num_layers,
+                        counts[0] if collect else None,
+                        counts[1] if collect else None,
+                        avg_group,
+                        layout.mtp_per_token_loss,
+                    )
+                    continue
+                save_mtp(loss.to(device), *counts, layer, mtp_num_layers, avg_group=avg_group)
 
     def finish_step(self) -> None:
         """End a training step as ``finalize_model_grads`` does: Megatron's own

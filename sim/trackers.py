@@ -19,6 +19,10 @@ import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_layout,
+)
 from pipemetrics.sim.records import (
     DpRule,
     EntrySnapshot,
@@ -211,13 +215,84 @@ def save_mtp(
         )
 
 
+def save_mtp_per_token(
+    loss_sum: torch.Tensor,
+    num_tokens: torch.Tensor,
+    layer_number: int,
+    num_layers: int,
+    correct: torch.Tensor | None,
+    total: torch.Tensor | None,
+    avg_group: dist.ProcessGroup | None,
+    per_token: bool,
+    reduce_group: dist.ProcessGroup | None = None,
+) -> None:
+    """One MTP record through megatron-core dev's training-path save, as its
+    ``process_mtp_loss`` calls it: ``save_loss_to_tracker(loss_sum, num_tokens, layer_number,
+    num_layers, correct=, total=, avg_group=, calculate_per_token_loss=)`` (counts ``None``
+    where acceptance was not collected). Only where the installed helper has it
+    (`pipemetrics.sim.mcore.mtp_tracker.installed_mtp_layout` is ``loss_sums``)."""
+    if installed_mtp_layout() != "loss_sums":
+        raise ValueError(
+            "num_tokens: the installed MTPLossLoggingHelper.save_loss_to_tracker takes no "
+            f"num_tokens (its layout is {installed_mtp_layout()!r}); a record with num_tokens "
+            "needs megatron-core dev's per-token MTP tracker"
+        )
+    MTPLossLoggingHelper.save_loss_to_tracker(
+        loss_sum,
+        num_tokens,
+        layer_number,
+        num_layers,
+        correct=correct,
+        total=total,
+        reduce_group=reduce_group,
+        avg_group=avg_group,
+        calculate_per_token_loss=per_token,
+    )
+
+
+def switch_mtp_acceptance(enabled: bool) -> None:
+    """The training loop's switch of MTP acceptance collection: dev's
+    ``MTPLossLoggingHelper.configure_acceptance_collection(False)`` when ``enabled`` is False
+    (the helper then collects no counts and zeroes those it holds); nothing when it is True
+    (an unconfigured helper collects, as Megatron's standalone callers get). Switching it off
+    needs the feature (`installed_mtp_acceptance_switch`)."""
+    if enabled:
+        return
+    if not installed_mtp_acceptance_switch():
+        raise ValueError(
+            "mtp_acceptance: the installed MTPLossLoggingHelper has no "
+            "configure_acceptance_collection; acceptance collection cannot be switched off"
+        )
+    MTPLossLoggingHelper.configure_acceptance_collection(False)
+
+
+def _tensor(value: float | None) -> torch.Tensor | None:
+    return None if value is None else torch.tensor(value, dtype=torch.float32)
+
+
 def apply_mtp_records(records: list[MtpRecord], groups: GroupsByRole) -> None:
-    """Feed records through the real ``MTPLossLoggingHelper`` save method (`save_mtp`).
+    """Feed records through the real ``MTPLossLoggingHelper`` save method: dev's
+    ``save_loss_to_tracker(loss_sum, num_tokens, ...)`` for a record with ``num_tokens``
+    (`save_mtp_per_token`), else `save_mtp`.
 
     Megatron allocates the tracker with ``torch.cuda.current_device()``; the rank process makes
     that answer with the CPU on a CPU-only machine.
     """
     for rec in records:
+        if rec.num_tokens is not None:
+            save_mtp_per_token(
+                torch.tensor(rec.loss, dtype=torch.float32),
+                torch.tensor(rec.num_tokens, dtype=torch.float32),
+                rec.layer_number,
+                rec.num_layers,
+                _tensor(rec.correct),
+                _tensor(rec.total),
+                _group(groups, rec.avg),
+                rec.per_token,
+                reduce_group=_group(groups, rec.reduce),
+            )
+            continue
+        assert rec.correct is not None and rec.total is not None  # MtpRecord's validator
         save_mtp(
             torch.tensor(rec.loss, dtype=torch.float32),
             torch.tensor(rec.correct, dtype=torch.float32),
@@ -257,15 +332,38 @@ def snapshot() -> TrackerSnapshot:
         )
         for name, (values, reduce_group, avg_group, needs_dp_avg) in moe_tracker_entries().items()
     }
+    return TrackerSnapshot(moe=moe, mtp=mtp_snapshot(), dp_rule=moe_dp_rule())
+
+
+def mtp_snapshot() -> MtpSnapshot | None:
+    """This rank's ``MTPLossLoggingHelper.tracker`` as plain data, ``None`` when it holds no
+    tensor (e.g. only the acceptance switch). Layouts: dev's training path (``loss_sums``:
+    ``num_tokens`` in per-token mode, ``acceptance_counts`` with their own groups, the switch),
+    0.19's (``loss_values``; missing counts read as Megatron's defaults, 0 correct / 1 total;
+    dev's compatibility ``save_metrics_to_tracker`` writes it too, its counts packed) or
+    0.18's (``values``: the loss, no counts, so ``correct``/``total`` are ``None``)."""
     tracker = MTPLossLoggingHelper.tracker
-    mtp = None
     groups = {
         "reduce_group": _ranks(tracker.get("reduce_group")),
         "avg_group": _ranks(tracker.get("avg_group")),
     }
+    if "loss_sums" in tracker:
+        counts = tracker.get("acceptance_counts")
+        per_token = bool(tracker.get("calculate_per_token_loss", False))
+        return MtpSnapshot(
+            loss=_floats(tracker["loss_sums"]),
+            correct=None if counts is None else _floats(counts[0]),
+            total=None if counts is None else _floats(counts[1]),
+            num_tokens=_floats(tracker["num_tokens"]) if per_token else [],
+            per_token=per_token,
+            acceptance_reduce_group=_ranks(tracker.get("acceptance_reduce_group")),
+            acceptance_avg_group=_ranks(tracker.get("acceptance_avg_group")),
+            acceptance_enabled=bool(tracker.get("acceptance_collection_enabled", True)),
+            **groups,
+        )
     if "loss_values" in tracker:
         loss = _floats(tracker["loss_values"])
-        mtp = MtpSnapshot(
+        return MtpSnapshot(
             loss=loss,
             correct=_floats(tracker["correct_values"])
             if "correct_values" in tracker
@@ -275,6 +373,6 @@ def snapshot() -> TrackerSnapshot:
             else [1.0] * len(loss),
             **groups,
         )
-    elif "values" in tracker:
-        mtp = MtpSnapshot(loss=_floats(tracker["values"]), **groups)
-    return TrackerSnapshot(moe=moe, mtp=mtp, dp_rule=moe_dp_rule())
+    if "values" in tracker:
+        return MtpSnapshot(loss=_floats(tracker["values"]), **groups)
+    return None

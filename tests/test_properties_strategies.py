@@ -32,6 +32,7 @@ from pipemetrics.sim.layout import (
     installed_router_routing,
     installed_seq_aux_loss_name,
 )
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
@@ -126,7 +127,8 @@ def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
     for rank, place in places.items():
         per_forward = len(setup.router_slots(place.pp_rank)) * len(layout.recorded_track_names)
         assert len(records.moe.get(rank, [])) == layout.microbatches * per_forward
-    assert tracker_violations(setup, places, recorded_snapshots(places, records)) == []
+    model = recorded_snapshots(places, records, mtp_acceptance=layout.mtp_acceptance)
+    assert tracker_violations(setup, places, model) == []
 
 
 @FAST
@@ -226,7 +228,11 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
         return router_record(name, slot, value, 3, recorded_reduction(setup.world))
 
     avg = installed_mtp_loss_avg_role()
-    mtp = [MtpRecord(layer_number=0, num_layers=1, loss=1.0, correct=2.0, total=3.0, avg=avg)]
+    dev = installed_mtp_layout() == "loss_sums"  # dev's training path: a loss sum and its tokens
+    mtp = [
+        MtpRecord(layer_number=0, num_layers=1, loss=3.0 if dev else 1.0, correct=2.0,
+                  total=3.0, avg=avg, num_tokens=3.0 if dev else None)
+    ]  # fmt: skip
     good = StepRecords(
         moe={r: [record(n, 2, 1.0) for n in ("z_loss", LBL)] for r in (2, 3)},
         mtp={2: mtp, 3: mtp},
@@ -258,6 +264,15 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
             update={"moe": {**good.moe, 2: [record(n, 2, 0.0) for n in ("z_loss", LBL)]}}
         ),
     }
+    if dev:  # the layout's modes: microbatch-normalised, acceptance collected
+        per_token = [mtp[0].model_copy(update={"per_token": True})]
+        uncounted = [mtp[0].model_copy(update={"correct": None, "total": None})]
+        bad["per-token mode the layout does not use"] = good.model_copy(
+            update={"mtp": {2: per_token, 3: per_token}}
+        )
+        bad["no counts while collection is on"] = good.model_copy(
+            update={"mtp": {2: uncounted, 3: uncounted}}
+        )
     for what, records in bad.items():
         assert tracker_violations(setup, places, recorded_snapshots(places, records)), what
 

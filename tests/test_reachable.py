@@ -108,7 +108,7 @@ def test_model_snapshots_equal_megatrons_own_recording(
     run = pool.run(scenario)
     places = {rank: result.place for rank, result in run.ranks.items()}
     real = first_snapshots(run)
-    model = recorded_snapshots(places, records, moe_dp_rule())
+    model = recorded_snapshots(places, records, moe_dp_rule(), setup.layout.mtp_acceptance)
     for rank in places:
         mine = model[rank]
         if not mtp_counts_acceptance() and mine.mtp is not None:  # 0.18 records the loss only

@@ -6,7 +6,10 @@ simulator's own tests; here only what one rank can show honestly.
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.reference import megatron_common
@@ -29,6 +33,12 @@ from pipemetrics.sim.layout import (
     installed_router_skips_lone_reduce_group,
     installed_seq_aux_loss_name,
     installed_tracker_keeps_dp_flag,
+)
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_layout,
+    installed_mtp_per_token_loss,
+    installed_z_loss_nan_at_zero_coeff,
 )
 from pipemetrics.sim.records import recorded_reduction
 from pipemetrics.sim.router_fill import (
@@ -52,11 +62,45 @@ from pipemetrics.sim.trackers import (
 #: what each release's router records (docs/megatron-core-releases.md §2.2, §2.3, §3), so they
 #: name the release.
 RELEASE = tuple(int(part) for part in version("megatron-core").split(".")[:2])
-#: The MTP tracker's loss key: megatron-core 0.19 ``save_metrics_to_tracker`` / 0.13-0.18
-#: ``save_loss_to_tracker``.
-MTP_LOSS_KEY = "loss_values" if mtp_counts_acceptance() else "values"
-#: 0.19's router averages z_loss over tensor+data+context; earlier ones give it no group.
-Z_LOSS_AVG_OVER_TP_DP_CP = RELEASE >= (0, 19)
+
+
+def _class_saver_parameters() -> list[str]:
+    """The parameters of the imported helper's ``save_loss_to_tracker`` (0.19-0.20 have none)."""
+    saver = getattr(MTPLossLoggingHelper, "save_loss_to_tracker", None)
+    return [] if saver is None else list(inspect.signature(saver).parameters)
+
+
+def _class_mtp_layout() -> str:
+    """The MTP tracker's loss key, read from the imported helper's save methods: dev's
+    ``save_loss_to_tracker(loss_sum, num_tokens, ...)`` keeps ``loss_sums``; 0.19's
+    ``save_metrics_to_tracker`` ``loss_values``; 0.13-0.18's ``save_loss_to_tracker(loss, ...)``
+    ``values``."""
+    if "num_tokens" in _class_saver_parameters():
+        return "loss_sums"
+    return "loss_values" if mtp_counts_acceptance() else "values"
+
+
+def _z_loss_record() -> ast.Call:
+    """The call of the imported ``TopKRouter.apply_z_loss`` that records ``"z_loss"``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TopKRouter.apply_z_loss)))
+    return next(
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "z_loss"
+    )
+
+
+#: The MTP tracker's loss key of the installed helper (by feature).
+MTP_LOSS_KEY = _class_mtp_layout()
+#: Whether the router records z_loss with an avg group (0.19 and main: tensor+data+context;
+#: 0.13-0.18 and dev: no group), read from the imported router's record call.
+Z_LOSS_AVG_OVER_TP_DP_CP = any(k.arg == "avg_group" for k in _z_loss_record().keywords)
+#: Whether the router records z_loss divided by its coefficient (0.13-0.19, main: NaN at a
+#: coefficient of 0; dev records the plain mean), read from the same call.
+Z_LOSS_NAN_AT_ZERO_COEFF = "coeff" in ast.unparse(_z_loss_record().args[1])
 #: 0.13-0.15 build an MTP layer's transformer layer without a layer number: its router records
 #: into the slot of the MTP chunk's first decoder layer; 0.16+ into ``num_layers + k``.
 MTP_ROUTER_IN_DECODER_SLOT = RELEASE < (0, 16)
@@ -205,6 +249,16 @@ def test_router_features_read_without_megatron_match_the_class() -> None:
     assert installed_tracker_keeps_dp_flag() == (RELEASE >= (0, 16))
 
 
+def test_mtp_tracker_features_read_without_megatron_match_the_classes() -> None:
+    # the controller reads the files (sim/mcore/mtp_tracker.py); here the imported classes
+    assert installed_mtp_layout() == MTP_LOSS_KEY
+    saver = _class_saver_parameters()
+    assert installed_mtp_per_token_loss() == ("calculate_per_token_loss" in saver)
+    switch = hasattr(MTPLossLoggingHelper, "configure_acceptance_collection")
+    assert installed_mtp_acceptance_switch() == switch
+    assert installed_z_loss_nan_at_zero_coeff() == Z_LOSS_NAN_AT_ZERO_COEFF
+
+
 def test_mtp_features_read_without_megatron_match_the_classes(world: None) -> None:
     # the reachability model and the generators read the source; router mode the classes
     assert installed_mtp_router_numbering() == mtp_router_numbering()
@@ -220,12 +274,16 @@ def test_mtp_features_read_without_megatron_match_the_classes(world: None) -> No
     assert mtp_loss_avg_group() is group
 
 
-def test_zero_z_loss_coeff_records_nan(fresh: None) -> None:
+def test_zero_z_loss_coeff_records_nan_where_the_router_divides_by_it(fresh: None) -> None:
     layout = ModelLayout(num_layers=2, z_loss_coeff=0.0)
     RouterStage(Setup(layout=layout), 0, seed=3).forward_microbatch(0)
     entries = _entries()
     assert list(entries) == ["z_loss", "load_balancing_loss"]
-    assert all(math.isnan(v) for v in entries["z_loss"][0].tolist())
+    z_loss = entries["z_loss"][0].tolist()
+    if Z_LOSS_NAN_AT_ZERO_COEFF:  # z_loss / coeff = 0 / 0
+        assert all(math.isnan(v) for v in z_loss)
+    else:  # dev: the mean of the squared log-sum-exps, whatever the coefficient
+        assert all(math.isfinite(v) and v > 0 for v in z_loss)
     assert all(math.isfinite(v) for v in entries["load_balancing_loss"][0].tolist())
 
 
@@ -249,6 +307,9 @@ def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
     tracker = MTPLossLoggingHelper.tracker
     loss = tracker[MTP_LOSS_KEY]
     assert loss.shape == (2,) and loss.dtype == torch.float32
+    if MTP_LOSS_KEY == "loss_sums":  # dev, outside per-token mode: normalised per microbatch
+        assert tracker["calculate_per_token_loss"] is False and "num_tokens" not in tracker
+        assert bool((loss < 3 * 3.5).all())  # three per-token losses in [0.5, 3.5)
     assert bool((loss > 0).all())
     if mtp_counts_acceptance():
         correct, total = tracker["correct_values"], tracker["total_values"]
@@ -258,6 +319,10 @@ def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
         assert bool((correct >= 0).all()) and bool((correct <= total).all())
         assert bool((total >= 3).all())  # three microbatches, each total >= 1
         assert torch.equal(correct, correct.round()) and torch.equal(total, total.round())
+        if MTP_LOSS_KEY == "loss_sums":  # dev packs the counts, their own groups
+            assert correct.data_ptr() == tracker["acceptance_counts"][0].data_ptr()
+            assert tracker["acceptance_reduce_group"] is None
+            assert tracker["acceptance_avg_group"] is tracker["avg_group"]
     else:  # megatron-core 0.13-0.18 (save_loss_to_tracker): the loss only
         assert set(tracker) == {"values", "reduce_group", "avg_group"}
     assert tracker["reduce_group"] is None
@@ -358,3 +423,31 @@ def test_cpu_current_device_patches_and_restores() -> None:
     with pytest.raises(RuntimeError, match="boom"), cpu_current_device():
         raise RuntimeError("boom")
     assert torch.cuda.current_device is original
+
+
+@pytest.mark.skipif(
+    not (installed_mtp_per_token_loss() and installed_mtp_acceptance_switch()),
+    reason="the installed MTP helper has no per-token mode or acceptance switch (dev's)",
+)
+def test_per_token_mtp_without_acceptance_records_sums_and_tokens(fresh: None) -> None:
+    layout = ModelLayout(
+        num_layers=1, mtp_num_layers=2, mtp_is_moe=False, microbatches=3,
+        mtp_per_token_loss=True, mtp_acceptance=False,
+    )  # fmt: skip
+    stage = RouterStage(Setup(layout=layout), 0, seed=5)
+    MTPLossLoggingHelper.configure_acceptance_collection(False)  # what the rank's filler does
+    _run(stage, microbatches=3)
+    tracker = MTPLossLoggingHelper.tracker
+    assert tracker["calculate_per_token_loss"] is True
+    assert tracker["acceptance_collection_enabled"] is False
+    assert "acceptance_counts" not in tracker  # nothing collected
+    sums, tokens = tracker["loss_sums"].clone(), tracker["num_tokens"].clone()
+    assert tokens.shape == (2,) and torch.equal(tokens, tokens.round())
+    assert bool((tokens >= 3).all())
+    # the loss sums are per-token losses in [0.5, 3.5) times the tokens
+    assert bool((sums >= 0.5 * tokens).all()) and bool((sums < 3.5 * tokens).all())
+    # the reference reads dev's layout: the token-weighted loss, no acceptance keys
+    metrics = megatron_common.get_mtp_metrics(1.0)
+    assert set(metrics) == {"mtp_1_loss", "mtp_2_loss"}
+    for i in range(2):
+        assert metrics[f"mtp_{i + 1}_loss"] == pytest.approx(float(sums[i] / tokens[i]), rel=1e-6)

@@ -851,6 +851,48 @@ _MUTANTS: list[Mutant] = [
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
+        name="mtp_nemo_rl_reads_loss_values_only",
+        description=(
+            "get_mtp_metrics is NeMo-RL's copy (nemo_rl.models.megatron.common, written for "
+            "megatron-core 0.19): it reads tracker['loss_values'] and returns {} when the key "
+            "is missing, reducing with the helper's reduce_metrics_in_tracker and cleaning with "
+            "clean_metrics_in_tracker. megatron-core dev's training path "
+            "(save_loss_to_tracker(loss_sum, num_tokens, ...)) writes loss_sums and packed "
+            "acceptance_counts and no loss_values, so every rank returns {} silently: the MTP "
+            "metrics go missing. Caught by mtp.keys on dev; 0.19-0.20 write loss_values (the "
+            "copy reads them), 0.13-0.18 lack reduce_metrics_in_tracker."
+        ),
+        edits=(
+            (
+                "def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:\n",
+                "def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:\n"
+                '    """Returns Multi-Token Prediction (MTP) loss and acceptance rate metrics."""\n'
+                "    tracker = MTPLossLoggingHelper.tracker\n"
+                '    if "loss_values" not in tracker:\n'
+                "        return {}\n"
+                "    MTPLossLoggingHelper.reduce_metrics_in_tracker()\n"
+                '    mtp_losses = tracker["loss_values"] * loss_scale\n'
+                '    mtp_corrects = tracker.get("correct_values", torch.zeros_like(mtp_losses))\n'
+                '    mtp_totals = tracker.get("total_values", torch.ones_like(mtp_losses))\n'
+                "    metrics: dict[str, Any] = {}\n"
+                "    for i in range(mtp_losses.shape[0]):\n"
+                '        metrics[f"mtp_{i + 1}_loss"] = mtp_losses[i].item()\n'
+                "        rate = mtp_corrects[i] / torch.clamp(mtp_totals[i], min=1) * 100.0\n"
+                '        metrics[f"mtp_{i + 1}_acceptance_rate"] = rate.item()\n'
+                "    MTPLossLoggingHelper.clean_metrics_in_tracker()\n"
+                "    return metrics\n"
+                "\n"
+                "\n"
+                "def _reference_get_mtp_metrics(\n"
+                "    loss_scale: float | torch.Tensor = 1.0,\n"
+                ") -> dict[str, Any]:\n",
+            ),
+        ),
+        fails=("mtp.keys",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
         name="moe_num_layers_none_crash",
         description=(
             "get_moe_metrics computes the pre-initialisation length num_layers + mtp_num_layers "

@@ -9,6 +9,7 @@ the same situation against the reference and the mutant and pins both outcomes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -24,9 +25,11 @@ import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.reference.megatron_common import get_moe_metrics_tracker
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.records import MoeRecord
 from pipemetrics.sim.trackers import (
     apply_moe_records,
+    cpu_current_device,
     legacy_has_dp_flag,
     legacy_tracker,
     reset_trackers,
@@ -66,6 +69,20 @@ if legacy_tracker():
             "reduce_group_has_dp, or moe_logging's MetricEntry.needs_dp_avg), missing in the "
             "installed megatron-core"
         )
+
+
+if not hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker"):
+    NEEDS_TO_RUN["mtp_nemo_rl_reads_loss_values_only"] = (
+        "NeMo-RL's copy calls MTPLossLoggingHelper.reduce_metrics_in_tracker, missing in the "
+        "installed megatron-core"
+    )
+    NEEDS_TO_SHOW.update(NEEDS_TO_RUN)
+if installed_mtp_layout() != "loss_sums":
+    NEEDS_TO_SHOW["mtp_nemo_rl_reads_loss_values_only"] = (
+        "NeMo-RL's copy reads tracker['loss_values']; its bug shows where the training path "
+        "writes megatron-core dev's loss_sums layout, not the installed helper's "
+        f"{installed_mtp_layout()!r}"
+    )
 
 
 def _mutant_params(needs: dict[str, str]) -> list[Any]:
@@ -573,13 +590,35 @@ def _mtp_reduce_ranks(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
             MTPLossLoggingHelper.tracker = {marker: torch.tensor([4.0]), "reduce_group": None,
                                             "avg_group": None}  # fmt: skip
         calls: list[str] = []
+
+        def reduce(name: str, calls: list[str] = calls) -> None:
+            calls.append("reduce")
+            tracker = MTPLossLoggingHelper.tracker
+            if name == "reduce_loss_in_tracker" and "loss_sums" in tracker:  # dev, no groups
+                tracker["values"] = tracker["loss_sums"]
+
         for name in m._MTP_REDUCERS[release]:
-            mp.setattr(MTPLossLoggingHelper, name, functools.partial(calls.append, "reduce"))
+            mp.setattr(MTPLossLoggingHelper, name, functools.partial(reduce, name))
         mp.setattr(m, "dist", FakeDist(rank, 2))
-        m.get_mtp_metrics(1.0)
+        # dev: a rank that skipped reduce_loss_in_tracker has no "values" to read
+        with contextlib.suppress(KeyError):
+            m.get_mtp_metrics(1.0)
         seen.append(calls[:1])
         mp.undo()
     return seen
+
+
+def _mtp_training_path(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # megatron-core dev's process_mtp_loss saves through save_loss_to_tracker(loss_sum,
+    # num_tokens, ...): how many metrics does this holder get back? (None: no such path.)
+    if installed_mtp_layout() != "loss_sums":
+        return None
+    with cpu_current_device():
+        MTPLossLoggingHelper.save_loss_to_tracker(
+            torch.tensor(6.0), torch.tensor(3.0), 0, 1,
+            correct=torch.tensor(2.0), total=torch.tensor(3.0), calculate_per_token_loss=True,
+        )  # fmt: skip
+    return len(m.get_mtp_metrics(1.0))
 
 
 def _mtp_after_call(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
@@ -837,6 +876,8 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [[4.0, 2.0], [1.0, 1.0], [2.0, 2.0]],
     ),
     "mtp_clears_moe_tracker": (_moe_after_mtp, [2.0, 4.0], [0.0, 0.0]),
+    # dev's training-path tracker: the loss and the rate, or nothing from a loss_values reader
+    "mtp_nemo_rl_reads_loss_values_only": (_mtp_training_path, 2, 0),
     "moe_mtp_slots_only_on_last_stage": (
         _standalone_mtp_slots,
         [[1.0, 2.0, 3.0, 4.0, 10.0]],
@@ -903,6 +944,22 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
         frozenset({"moe_raises_on_rank0", "moe_steady_state_decided_locally"}),
     }
 )
+#: (mutant, other): the mutant's bug also shows in the other's situation, not the other way
+#: round. NeMo-RL's copy is a whole function, not one edit: it computes Megatron's unclamped
+#: rate (200 for 2 correct of 0 total); on megatron-core dev it neither reduces the helper's own
+#: layout (loss_sums: it returns {} first) nor zeroes 0.19-layout counts (dev's
+#: clean_metrics_in_tracker zeroes only acceptance_counts).
+ALSO_SHOWS_IN: frozenset[tuple[str, str]] = frozenset(
+    {("mtp_nemo_rl_reads_loss_values_only", "mtp_acceptance_unclamped_total")}
+    | (
+        {
+            ("mtp_nemo_rl_reads_loss_values_only", "mtp_reduce_on_logging_rank_only"),
+            ("mtp_nemo_rl_reads_loss_values_only", "mtp_tracker_not_cleaned"),
+        }
+        if installed_mtp_layout() == "loss_sums"
+        else set()
+    )
+)
 
 
 @pytest.mark.parametrize("name", _mutant_params(NEEDS_TO_RUN))
@@ -910,14 +967,15 @@ def test_other_situations_unchanged(
     name: str, modules: dict[str, ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """One bug each: in every other mutant's situation the mutant behaves like the reference,
-    except for the pairs in OVERLAPS (which must really overlap, so the list stays honest)."""
+    except for the pairs in OVERLAPS and ALSO_SHOWS_IN (which must really overlap, so the lists
+    stay honest)."""
     for other, (check, _, _) in BEHAVIOUR.items():
         if other == name:
             continue
         same = _observe(check, modules["reference"], monkeypatch) == _observe(
             check, modules[name], monkeypatch
         )
-        if frozenset({name, other}) in OVERLAPS:
+        if frozenset({name, other}) in OVERLAPS or (name, other) in ALSO_SHOWS_IN:
             assert not same, f"{name} no longer shows in the situation of {other}"
         else:
             assert same, f"{name} also changes the situation of {other}"

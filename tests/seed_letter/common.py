@@ -13,7 +13,9 @@ describes them, written independently of pipemetrics' reference and deliberately
   records" asks), reduces with megatron-core's own ``_sync_metrics`` over ``track_names`` (all
   local names when ``None``), takes ``values.mean()`` (the tracker length as denominator),
   returns ``.item()`` floats and accumulates 0-d tensors into ``total_loss_dict`` with ``+=``;
-* ``get_mtp_metrics`` reduces with megatron-core's own helper and reports
+* ``get_mtp_metrics`` reduces with megatron-core's own helper (on megatron-core dev's
+  ``loss_sums`` layout as its ``track_mtp_metrics`` does: the loss from ``values``, the rate
+  from the packed ``acceptance_counts`` while acceptance collection is on) and reports
   ``100 * correct / clamp(total, min=1)``, unclamped above, as a tensor division.
 
 The suite must pass it under the ``seed`` profile (tests/test_seed_letter.py).
@@ -21,12 +23,13 @@ The suite must pass it under the ``seed`` profile (tests/test_seed_letter.py).
 
 from __future__ import annotations
 
-from importlib import metadata
+import inspect
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 _AUX_LOSS_TRACK_NAMES: dict[str, str] = {
@@ -89,8 +92,9 @@ def _router_groups(name: str) -> tuple[Any, Any, bool]:
         return ps.get_tensor_and_context_parallel_group(), None, True
     if name == "global_load_balancing_loss":
         return ps.get_tensor_and_data_parallel_group(with_context_parallel=True), None, False
-    if name == "z_loss" and not metadata.version("megatron-core").startswith("0.18."):
-        # 0.19's router averages z_loss over tensor+data+context; 0.18's records it bare
+    if name == "z_loss" and "avg_group" in inspect.getsource(TopKRouter.apply_z_loss):
+        # 0.19's router averages z_loss over tensor+data+context; 0.18's and dev's record it
+        # bare (read from the router's code: dev's version string says 0.19)
         return None, ps.get_tensor_and_data_parallel_group(with_context_parallel=True), True
     return None, None, True
 
@@ -137,6 +141,21 @@ def get_moe_metrics(
 
 def get_mtp_metrics(loss_scale: float = 1.0) -> dict[str, Any]:
     tracker = MTPLossLoggingHelper.tracker
+    if "loss_sums" in tracker:  # megatron-core dev's training path, as its track_mtp_metrics
+        MTPLossLoggingHelper.reduce_loss_in_tracker()
+        MTPLossLoggingHelper.reduce_metrics_in_tracker()
+        losses = tracker["values"] * loss_scale
+        counts = tracker.get("acceptance_counts")
+        if not tracker.get("acceptance_collection_enabled", True):
+            counts = None
+        metrics = {}
+        for i in range(losses.shape[0]):
+            metrics[f"mtp_{i + 1}_loss"] = losses[i].item()
+            if counts is not None:
+                rate = counts[0][i] / torch.clamp(counts[1][i], min=1) * 100.0
+                metrics[f"mtp_{i + 1}_acceptance_rate"] = rate.item()
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+        return metrics
     if "values" in tracker:  # megatron-core 0.18: the loss only
         MTPLossLoggingHelper.reduce_loss_in_tracker()
         losses = tracker["values"] * loss_scale

@@ -1,0 +1,1 @@
+"""What the installed megatron-core has, read by feature (never by its version string)."""
