@@ -39,15 +39,12 @@ from pipemetrics.sim.layout import (
     FirstLastSplit,
     LayoutSplit,
     ModelLayout,
-    RouterRouting,
     RoutingType,
     Setup,
     StageSplit,
     WorldSpec,
-    installed_layout_keeps_mtp_last,
-    installed_layout_takes_mtp,
-    installed_router_routing,
 )
+from pipemetrics.sim.mcore import RouterRouting, installed_features
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import broadcast_plan, places_for
 
@@ -120,7 +117,7 @@ def splits(
     (``max_vpp`` > 1), see `layer_layouts`; neither with MTP layers where the installed
     megatron-core's layout refuses them (0.13)."""
     kinds = ["even", "explicit"] + (["first_last"] if pp > 1 else [])
-    layouts_ok = not mtp_num_layers or installed_layout_takes_mtp()
+    layouts_ok = not mtp_num_layers or installed_features().layout_takes_mtp
     kinds += ["layout"] if pp > 1 and flexible and layouts_ok else []
     kinds += ["virtual"] if pp > 1 and max_vpp > 1 and layouts_ok else []
     kind = draw(st.sampled_from(kinds))
@@ -158,7 +155,7 @@ def layer_layouts(
     count = pp * vpp
     decoders = draw(st.lists(st.integers(0, max_per_stage), min_size=count, max_size=count))
     mtp_at = None
-    if mtp_num_layers and installed_layout_keeps_mtp_last():  # 0.15: the last chunk only
+    if mtp_num_layers and installed_features().layout_keeps_mtp_last:  # 0.15: the last chunk only
         mtp_at = count - 1
     elif mtp_num_layers:
         mtp_at = (vpp - 1) * pp + draw(st.integers(0, pp - 1).map(lambda p: pp - 1 - p))
@@ -235,7 +232,7 @@ def layouts(
 ) -> ModelLayout:
     """A model layout for ``pp`` stages (stages without MoE, MTP on the last stage or, in a
     flexible layout, standalone on another, virtual pipeline chunks, ...); by default only
-    routing types the installed megatron-core's router runs (`installed_router_routing`:
+    routing types the installed megatron-core's router runs (``routing`` of `installed_features`:
     no list on 0.13, no ``global_aux_loss`` before 0.15), the only ones it records anything
     for."""
     mtp_num_layers = draw(st.integers(min_mtp, max_mtp))
@@ -243,7 +240,7 @@ def layouts(
         splits(pp, max_per_stage, mtp_num_layers=mtp_num_layers, flexible=flexible, max_vpp=max_vpp)
     )
     config = draw(
-        routing if routing is not None else routing_configs(router=installed_router_routing())
+        routing if routing is not None else routing_configs(router=installed_features().routing)
     )
     return ModelLayout(
         num_layers=num_layers,
@@ -584,7 +581,7 @@ def router_scenarios(draw: st.DrawFn, profile: Profile, semantic: Semantic) -> S
     setup = draw(
         setups(
             profile,
-            routing=routing_configs(sinkhorn=False, router=installed_router_routing()),
+            routing=routing_configs(sinkhorn=False, router=installed_features().routing),
             shapes=world_shapes(profile, max_size=4),
         )
     )

@@ -10,7 +10,7 @@ decoder slot), each name the installed router records in the router's order
 (`pipemetrics.sim.records.recorded_reduction`) and entries of length
 ``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
 microbatch (0-based ``layer_number``, averaged over the installed release's group,
-`installed_mtp_loss_avg_role`): a loss and whole token counts with correct <= total, the same on
+``mtp_loss_avg_role`` of `installed_features`): a loss and whole token counts with correct <= total, the same on
 tensor-parallel peers.
 """
 
@@ -22,7 +22,8 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import nan_recorded
-from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
@@ -112,7 +113,7 @@ def step_records(setup: Setup, moe_value: MoeValue, mtp_value: MtpValue) -> Step
 def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord]:
     """One rank's MTP records of a step."""
     layout = setup.layout
-    avg = installed_mtp_loss_avg_role()
+    avg = installed_features().mtp_loss_avg_role
     records = []
     for microbatch in range(layout.microbatches):
         for k in range(layout.mtp_num_layers):

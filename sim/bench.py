@@ -74,6 +74,7 @@ from pipemetrics.sim.hang_detection import (
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.interrupt import stop_child
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
@@ -237,8 +238,9 @@ scaling curve when `make_plan` lists sizes for it, and a throughput column when 
 def tier_unsupported(tier: str) -> str | None:
     """Why ``tier`` cannot run with the installed megatron-core, or None (the in-process tier is
     refused on 0.13-0.17: `inprocess_unsupported`). What it would measure is left out of the
-    run and reported as not measured on this release, with this reason."""
-    return inprocess_unsupported() if tier == "inprocess" else None
+    run and reported as not measured on this release, with this reason. The package answers
+    (``inprocess_refusal`` of `installed_features`)."""
+    return installed_features().inprocess_refusal if tier == "inprocess" else None
 
 
 class PidLog(list[int]):

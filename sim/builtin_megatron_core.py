@@ -43,11 +43,11 @@ import re
 from typing import Any
 
 import torch
-from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.trackers import legacy_has_dp_flag, moe_logging
+from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.trackers import moe_logging
 
 _MTP_LOSS_TAG = re.compile(r"mtp_(\d+) loss")
 _MTP_RATE_TAG = re.compile(r"mtp_(\d+)_acceptance_rate")
@@ -148,7 +148,7 @@ def legacy_track_moe_metrics(
         num_layers = max(lengths) - (mtp_num_layers or 0)
     elif track_names and not torch.cuda.is_available():
         length = num_layers
-        if hasattr(multi_token_prediction, "process_mtp_loss"):
+        if installed_features().force_init_includes_mtp:
             length += mtp_num_layers or 0
         for name in track_names:
             if name not in tracker:
@@ -157,7 +157,7 @@ def legacy_track_moe_metrics(
                     "reduce_group": None,
                     "avg_group": None,
                 }
-                if legacy_has_dp_flag():
+                if installed_features().legacy_saver_has_dp_flag:
                     entry["reduce_group_has_dp"] = False
                 tracker[name] = entry
     writer = ScalarCollector()

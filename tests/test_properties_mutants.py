@@ -16,7 +16,7 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.profiles import PROFILES
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.layout import installed_layout_takes_mtp, installed_mtp_router_numbering
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.replay import replay_main
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
@@ -96,11 +96,14 @@ def mutant_param(name: str) -> Any:
         marks.append(_NO_COUNTS)
     if name in NEEDS_TO_SHOW:
         marks.append(pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
-    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_layout_takes_mtp():
+    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_features().layout_takes_mtp:
         marks.append(pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
     if name in NEEDS_STANDALONE_MTP:
         marks.append(STANDALONE_MTP_REFUSED)  # a skipif: skips where the layout refuses it
-    if name in NEEDS_MTP_SLOTS and installed_mtp_router_numbering() == "default_layer_number":
+    if (
+        name in NEEDS_MTP_SLOTS
+        and installed_features().mtp_router_numbering == "default_layer_number"
+    ):
         marks.append(pytest.mark.skip(reason=NO_MTP_SLOTS))
     return pytest.param(name, marks=marks)
 

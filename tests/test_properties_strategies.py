@@ -27,11 +27,8 @@ from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_mtp_loss_avg_role,
-    installed_mtp_router_numbering,
-    installed_router_routing,
-    installed_seq_aux_loss_name,
 )
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import (
     MoeRecord,
     MtpRecord,
@@ -136,12 +133,14 @@ def test_synthetic_records_draw_only_what_the_installed_router_records(
 ) -> None:
     setup = data.draw(s.setups(CI))
     records = data.draw(s.synthetic_records(setup))
-    assert installed_router_routing().refusal(setup.layout) is None  # routing it runs
+    assert installed_features().routing.refusal(setup.layout) is None  # routing it runs
     names = {r.name for recs in records.moe.values() for r in recs}
     assert names <= set(setup.layout.recorded_track_names)
-    if installed_seq_aux_loss_name() != SEQ:  # 0.13 logs seq-aux as load_balancing_loss
+    if installed_features().seq_aux_loss_name != SEQ:  # 0.13 logs seq-aux as load_balancing_loss
         assert SEQ not in names
-    assert {m.avg for recs in records.mtp.values() for m in recs} <= {installed_mtp_loss_avg_role()}
+    assert {m.avg for recs in records.mtp.values() for m in recs} <= {
+        installed_features().mtp_loss_avg_role
+    }
 
 
 def _other[T](options: set[T], installed: T) -> T:
@@ -164,9 +163,11 @@ def test_the_reachability_model_follows_the_installed_release() -> None:
     good = step_records(setup, lambda *_: 1.0, lambda *_: (1.0, 1.0, 2.0))
     assert tracker_violations(setup, places, recorded_snapshots(places, good)) == []
     ((name, reduce),) = {(r.name, r.reduce) for recs in good.moe.values() for r in recs}
-    assert name == installed_seq_aux_loss_name()
+    assert name == installed_features().seq_aux_loss_name
     mtp_slot = setup.mtp_router_slot(1)
-    assert mtp_slot == (1 if installed_mtp_router_numbering() == "default_layer_number" else 3)
+    assert mtp_slot == (
+        1 if installed_features().mtp_router_numbering == "default_layer_number" else 3
+    )
 
     def moe(update: dict[str, object], *, mtp_router_only: bool = False) -> StepRecords:
         """``good`` with ``update`` applied to every MoE record (or only to the last of each
@@ -185,7 +186,7 @@ def test_the_reachability_model_follows_the_installed_release() -> None:
             }
         )
 
-    other_avg = _other({"tp_cp", "dp_cp"}, installed_mtp_loss_avg_role())
+    other_avg = _other({"tp_cp", "dp_cp"}, installed_features().mtp_loss_avg_role)
     bad = {
         "the other seq-aux name": moe({"name": _other({SEQ, LBL}, name)}),
         "the other MTP router slot": moe(
@@ -209,7 +210,7 @@ def test_routing_the_installed_router_cannot_run_reaches_no_state() -> None:
     layout = ModelLayout(
         num_layers=1, routing_type=["aux_loss", "global_aux_loss"], aux_loss_coeff=[0.1, 0.1]
     )
-    routing = installed_router_routing()
+    routing = installed_features().routing
     runs = routing.type_lists and routing.global_aux_loss  # 0.15+
     assert (routing_violations(Setup(layout=layout)) == []) == runs
 
@@ -225,7 +226,7 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
     def record(name: str, slot: int, value: float) -> MoeRecord:  # the installed router's groups
         return router_record(name, slot, value, 3, recorded_reduction(setup.world))
 
-    avg = installed_mtp_loss_avg_role()
+    avg = installed_features().mtp_loss_avg_role
     mtp = [MtpRecord(layer_number=0, num_layers=1, loss=1.0, correct=2.0, total=3.0, avg=avg)]
     good = StepRecords(
         moe={r: [record(n, 2, 1.0) for n in ("z_loss", LBL)] for r in (2, 3)},
@@ -293,7 +294,7 @@ RARE_SETUPS = {
 
 @pytest.mark.parametrize("name", sorted(RARE_SETUPS))
 def test_rare_layouts_are_generated(name: str) -> None:
-    if name == "routing_list" and not installed_router_routing().type_lists:
+    if name == "routing_list" and not installed_features().routing.type_lists:
         pytest.skip("the installed megatron-core's router takes no list of routing types")
     found = find(s.setups(CI), RARE_SETUPS[name], settings=FIND)
     assert RARE_SETUPS[name](found)
