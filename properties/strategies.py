@@ -478,7 +478,11 @@ CallMaker = Callable[[float], CallSpec]
 
 @st.composite
 def step_program(
-    draw: st.DrawFn, setup: Setup, scales: list[float], calls: list[CallMaker]
+    draw: st.DrawFn,
+    setup: Setup,
+    scales: list[float],
+    calls: list[CallMaker],
+    masked_mtp: bool = False,
 ) -> list[Step]:
     """One step per scale, as a rule-based state machine walks them (the ``multi_step``
     class). Each step either trains (every router and the MTP loss record, as Megatron's do
@@ -493,7 +497,9 @@ def step_program(
     steps = []
     for index, scale in enumerate(scales):
         trains = draw(st.booleans())
-        records = draw(synthetic_records(setup, values=values)) if trains else None
+        records = (
+            draw(synthetic_records(setup, values=values, masked_mtp=masked_mtp)) if trains else None
+        )
         order = draw(st.permutations(range(len(calls))))
         chosen = [i for i in order if draw(st.booleans())]
         if index == len(scales) - 1 and not chosen:
@@ -504,17 +510,23 @@ def step_program(
 
 @st.composite
 def steps_of(
-    draw: st.DrawFn, profile: Profile, setup: Setup, scales: list[float], calls: list[CallMaker]
+    draw: st.DrawFn,
+    profile: Profile,
+    setup: Setup,
+    scales: list[float],
+    calls: list[CallMaker],
+    masked_mtp: bool = False,
 ) -> list[Step]:
     """One step per scale: a `step_program` when there is more than one and the profile
     generates the ``multi_step`` class, else every step records and makes every call, in
-    order."""
+    order. ``masked_mtp``: MTP layers may have no valid position in a step
+    (`pipemetrics.properties.synthetic.masked_mtp_layers`)."""
     if len(scales) > 1 and profile.generates("multi_step"):
-        return draw(step_program(setup, scales, calls))
+        return draw(step_program(setup, scales, calls, masked_mtp))
     values = values_for(scales)
     return [
         Step(
-            records=draw(synthetic_records(setup, values=values)),
+            records=draw(synthetic_records(setup, values=values, masked_mtp=masked_mtp)),
             calls=[call(scale) for call in calls],
         )
         for scale in scales
@@ -530,12 +542,14 @@ def mtp_scenarios(
     min_steps: int = 1,
     max_steps: int = 1,
     scale_one: bool = True,
+    masked_mtp: bool = False,
 ) -> Scenario:
     """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank.
 
     With the generator class ``argument_forms``: ``loss_scale`` in every form of `loss_scale_forms`
     (``get_mtp_metrics()`` without an argument where a scale of 1 is allowed), negative and
-    very large scales."""
+    very large scales. ``masked_mtp``: some MTP layers may have no valid position in a step, on
+    any rank (0 tokens; where the installed tracker records token counts)."""
     setup = draw(setups(profile, min_mtp=1))
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, profile.max_steps))))
     forms = profile.generates("argument_forms")
@@ -550,7 +564,7 @@ def mtp_scenarios(
             return MtpCall(loss_scale_form="default")
         return MtpCall(loss_scale=scale, loss_scale_form=form)
 
-    steps = draw(steps_of(profile, setup, scales, [call]))
+    steps = draw(steps_of(profile, setup, scales, [call], masked_mtp))
     return Scenario(setup=setup, steps=steps, deadline_s=profile.deadline_s)
 
 

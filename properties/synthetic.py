@@ -131,14 +131,34 @@ def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord
     return records
 
 
+def masked_mtp_layers(setup: Setup) -> st.SearchStrategy[frozenset[int]]:
+    """0-based MTP layers whose positions are all masked in a step, on every rank and in every
+    microbatch (each records loss 0, 0 correct of 0 tokens): any subset, often none, where the
+    installed tracker records token counts (``mtp_counts_acceptance``: 0.19+, whose
+    ``process_mtp_loss`` records ``loss * (num_tokens > 0) / num_tokens.clamp(min=1)``), else
+    none (0.13-0.18 record the loss only: such a layer is a recorded loss of 0, drawn anyway)."""
+    layers = setup.layout.mtp_num_layers
+    if not layers or not installed_features().mtp_counts_acceptance:
+        return st.just(frozenset())
+    return st.frozensets(st.integers(0, layers - 1))
+
+
 @st.composite
 def synthetic_records(
-    draw: st.DrawFn, setup: Setup, *, values: st.SearchStrategy[float] | None = None
+    draw: st.DrawFn,
+    setup: Setup,
+    *,
+    values: st.SearchStrategy[float] | None = None,
+    masked_mtp: bool = False,
 ) -> StepRecords:
-    """One training step's records on every rank of ``setup`` (see the module doc)."""
+    """One training step's records on every rank of ``setup`` (see the module doc); with
+    ``masked_mtp``, some MTP layers may have no valid position anywhere (`masked_mtp_layers`)."""
     drawn = values if values is not None else recorded_values()
+    masked = draw(masked_mtp_layers(setup)) if masked_mtp else frozenset()
 
     def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:
+        if layer in masked:
+            return 0.0, 0.0, 0.0
         correct, total = draw(token_counts())
         return (draw(mtp_losses()) if total else 0.0), correct, total
 

@@ -15,7 +15,10 @@ What the adapter adds, and nothing else (no reduction, no scaling, no mean of it
    mtp_num_layers)``. Under the ``seed`` profile (``num_moe_layers`` not passed) the adapter
    passes ``moe_layer_freq=None``, and ``report()`` divides by ``num_layers + mtp_num_layers``:
    exactly the seed's tracker length. Under the ``megatron`` profile the caller passes
-   ``num_moe_layers`` (main MoE layers + every MTP layer, as ``_count_moe_layers`` counts) and
+   ``num_moe_layers`` (main MoE layers + every MTP layer, as ``_count_moe_layers`` counts).
+   Where ``report()`` takes ``num_moe_layers`` itself (megatron-core main, 0.20:
+   ``report_takes_num_moe_layers`` of `pipemetrics.sim.mcore`), the adapter passes it through
+   and ``report()`` divides by it (raising ``ValueError`` when it is not positive). Elsewhere
    the adapter passes ``moe_layer_freq`` as a 0/1 pattern with ``num_moe_layers -
    mtp_num_layers`` ones: ``report()`` only counts the pattern (``sum(moe_layer_freq)``), so it
    divides by ``num_moe_layers``. Either way the mean is ``report()``'s own.
@@ -105,6 +108,11 @@ def get_moe_metrics(
             return {}  # nothing recorded, nothing to pre-initialise: report() has no names
         num_layers = max(lengths) - (mtp_num_layers or 0)
     writer = ScalarCollector()
+    count: dict[str, Any] = (
+        {"num_moe_layers": num_moe_layers}
+        if num_moe_layers is not None and installed_features().report_takes_num_moe_layers
+        else {"moe_layer_freq": moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers)}
+    )
     tracker.report(
         loss_scale=loss_scale,
         iteration=0,
@@ -113,9 +121,9 @@ def get_moe_metrics(
         force_initialize=force_initialize,
         track_names=None if track_names is None else list(track_names),
         num_layers=num_layers,
-        moe_layer_freq=moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers),
         mtp_num_layers=mtp_num_layers,
         total_loss_dict=total_loss_dict,
+        **count,
     )
     return dict(writer.scalars)
 

@@ -28,7 +28,9 @@ from .test_properties_runner import check
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
 #: counts (megatron-core 0.18) there is no rate to get wrong, so they cannot fail there.
-ACCEPTANCE_MUTANTS = frozenset({"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total"})
+ACCEPTANCE_MUTANTS = frozenset(
+    {"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}
+)
 _NO_COUNTS = pytest.mark.skipif(
     not mtp_counts_acceptance(),
     reason="the installed megatron-core's MTP tracker has no acceptance counts (0.18): "

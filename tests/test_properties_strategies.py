@@ -21,7 +21,7 @@ from pipemetrics.properties.reachable import (
     tracker_violations,
 )
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
-from pipemetrics.properties.synthetic import step_records
+from pipemetrics.properties.synthetic import masked_mtp_layers, step_records
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall
 from pipemetrics.sim.layout import (
     ModelLayout,
@@ -343,3 +343,38 @@ def test_strict_generates_every_argument_form(form: str) -> None:
 def test_seed_generates_only_documented_forms_where_a_stage_lacks_moe(scenario: Scenario) -> None:
     if not s.every_rank_records_every_name(scenario.setup):
         assert not {"num_layers=None", "track_names=None"} & set(features(scenario))
+
+
+def _masked_layer(scenario: Scenario) -> bool:
+    """Whether some step's MTP layer has 0 tokens on every rank that records MTP (all
+    positions masked: loss 0, 0 correct of 0), with more than one rank holding it."""
+    for step in scenario.steps:
+        mtp = step.records.mtp if step.records is not None else {}
+        if len(mtp) < 2:
+            continue
+        for layer in range(scenario.setup.layout.mtp_num_layers):
+            mine = [r for records in mtp.values() for r in records if r.layer_number == layer]
+            if mine and all(r.total == 0 and r.correct == 0 and r.loss == 0 for r in mine):
+                return True
+    return False
+
+
+def test_mtp_acceptance_scenarios_mask_whole_layers_where_megatron_counts_tokens() -> None:
+    """The mtp.acceptance_rate generator draws MTP layers whose positions are all masked on
+    every rank (what process_mtp_loss records as loss 0, 0 of 0 tokens) where the installed
+    tracker records token counts; elsewhere no layer is masked on purpose."""
+    masked = s.mtp_scenarios(CI, "seed", scale_one=False, masked_mtp=True)
+    if installed_features().mtp_counts_acceptance:
+        assert _masked_layer(find(masked, _masked_layer, settings=FIND))
+    else:
+        setup = find(s.setups(CI, min_mtp=1), lambda _: True)
+        assert find(masked_mtp_layers(setup), lambda _: True) == frozenset()
+
+
+@FAST
+@given(st.data())
+def test_masked_mtp_layers_stay_reachable(data: st.DataObject) -> None:
+    setup = data.draw(s.setups(CI, min_mtp=1))
+    records = data.draw(s.synthetic_records(setup, masked_mtp=True))
+    places = places_for(setup.world)
+    assert tracker_violations(setup, places, recorded_snapshots(places, records)) == []
