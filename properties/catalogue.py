@@ -106,6 +106,14 @@ DOC_MTP_SCALE = (
     'dividing, so callers must pass 1/num_microbatches to recover the mean." / "Acceptance rate '
     'is a ratio of counts and is not scaled."'
 )
+DOC_MTP_EMPTY_LAYER = (
+    "A layer without valid positions: the document is silent (it names no case without "
+    'tokens); its keys are "matching Megatron-LM", whose track_mtp_metrics clamps the count: '
+    '"Empty masks can leave no valid MTP positions, so clamp denominators to avoid NaNs." '
+    "(megatron-core 0.19+ and main), so its rate is 100 * 0 / max(0, 1) = 0 and its loss, which "
+    "process_mtp_loss records as loss * (num_tokens > 0) / num_tokens.clamp(min=1), is 0; seed "
+    "and megatron profiles alike"
+)
 DOC_LOSS_SCALE_TYPE = (
     '"get_moe_metrics(loss_scale: float, ...)" / "get_mtp_metrics(loss_scale: float = 1.0)": any '
     "float (numpy.float64 is one), of any sign and size, or no argument for get_mtp_metrics "
@@ -292,9 +300,13 @@ CATALOGUE: tuple[Property, ...] = (
     Property(
         "mtp.acceptance_rate",
         MTP,
-        "100 * correct / max(total, 1), never scaled (vacuous with megatron-core 0.18: no counts)",
-        DOC_MTP_SCALE + " Megatron's rate: 100 * correct / max(total, 1) (track_mtp_metrics)",
-        _mtp(scale_one=False),
+        "100 * correct / max(total, 1), never scaled; a layer whose positions were all masked "
+        "(0 tokens on every rank) reports 0, not NaN or 100, in every profile (vacuous with "
+        "megatron-core 0.13-0.18: no counts)",
+        DOC_MTP_SCALE
+        + " Megatron's rate: 100 * correct / max(total, 1) (track_mtp_metrics). "
+        + DOC_MTP_EMPTY_LAYER,
+        _mtp(scale_one=False, masked_mtp=True),
         j.checked(j.mtp_acceptance_rate),
     ),
     Property(

@@ -2,7 +2,7 @@
 data the certificate carries (`FAMILIES`, `FIXED`), what each enumerates and what it fixes.
 
 Only states the installed megatron-core can produce are cases: routing types its router runs
-(`installed_router_routing`: no list on 0.13, no ``global_aux_loss`` before 0.15), layouts its
+(``routing`` of `installed_features`: no list on 0.13, no ``global_aux_loss`` before 0.15), layouts its
 rules accept (`Setup` validates them as Megatron does) and records inside the reachability model
 (`pipemetrics.properties.synthetic.step_records`).
 """
@@ -44,13 +44,8 @@ from pipemetrics.properties.strategies import (
     Semantic,
 )
 from pipemetrics.sim.calls import NEW_GROUP
-from pipemetrics.sim.layout import (
-    AUX_LOSS_TYPES,
-    RoutingType,
-    WorldSpec,
-    installed_layout_takes_mtp,
-    installed_router_routing,
-)
+from pipemetrics.sim.layout import AUX_LOSS_TYPES, RoutingType, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
     installed_mtp_per_token_loss,
@@ -98,7 +93,7 @@ def stage_patterns(count: int, kinds: tuple[StageText, ...]) -> list[tuple[Stage
 
 def routable_types() -> tuple[RoutingType, ...]:
     """The aux-loss types the installed router records."""
-    router = installed_router_routing()
+    router = installed_features().routing
     return tuple(t for t in AUX_LOSS_TYPES if router.global_aux_loss or t != "global_aux_loss")
 
 
@@ -106,7 +101,7 @@ def every_routing() -> tuple[RoutingType, ...]:
     """The richest routing the installed router runs: every type, or one where it takes no
     list (0.13)."""
     types = routable_types()
-    return types if installed_router_routing().type_lists else types[:1]
+    return types if installed_features().routing.type_lists else types[:1]
 
 
 def routings() -> list[tuple[tuple[RoutingType, ...], RoutingType | None, ZLoss]]:
@@ -114,7 +109,7 @@ def routings() -> list[tuple[tuple[RoutingType, ...], RoutingType | None, ZLoss]
     takes no list), the subsets missing a type once more with that type at coefficient 0, each
     with z_loss off, at coefficient 0 (recorded as NaN) and on."""
     types = routable_types()
-    lists = installed_router_routing().type_lists
+    lists = installed_features().routing.type_lists
     out: list[tuple[tuple[RoutingType, ...], RoutingType | None, ZLoss]] = []
     for size in range(len(types) + 1 if lists else 2):
         for subset in itertools.combinations(types, size):
@@ -358,7 +353,7 @@ def broadcast_invalid(bound: Bound) -> Iterator[AnyCase]:
 
 
 def track_names() -> Iterator[AnyCase]:
-    lists = installed_router_routing().type_lists
+    lists = installed_features().routing.type_lists
     known = routable_types()
     singles = (*known, "sinkhorn", "none", UNKNOWN_TYPE)
     for routing_type, coeff in itertools.product(singles, (None, 0.0, 0.01)):
@@ -407,7 +402,7 @@ FAMILY_NAMES = tuple(ENUMERATORS)
 
 def _reachable(case: Case, semantic: Semantic) -> bool:
     flexible = case.vpp > 1 or case.mtp_rank is not None
-    if flexible and case.mtp != "none" and not installed_layout_takes_mtp():
+    if flexible and case.mtp != "none" and not installed_features().layout_takes_mtp:
         return False  # 0.13's PipelineParallelLayerLayout refuses MTP layers
     try:
         setup = case.setup()

@@ -9,7 +9,7 @@ state the synthetic generators produce, and every state megatron-core's real ``T
 
 The model is the installed megatron-core's (0.13-0.19): where releases record differently, it
 follows the features read from the installed source without importing megatron
-(`pipemetrics.sim.layout`'s ``installed_*`` functions), never the version string. A setup whose
+(`pipemetrics.sim.mcore.installed_features`), never the version string. A setup whose
 routing types the installed router cannot run (a list before 0.14, ``global_aux_loss`` before
 0.15: `RouterRouting.refusal`) has no reachable state.
 
@@ -20,7 +20,7 @@ only by ``TopKRouter``):
   MTP layer); it then holds exactly the names the router records for the config
   (`ModelLayout.recorded_track_names`), inserted in the router's order (``z_loss`` first, then
   ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``); 0.13
-  records the seq-aux loss as ``load_balancing_loss`` (`installed_seq_aux_loss_name`);
+  records the seq-aux loss as ``load_balancing_loss`` (``seq_aux_loss_name``);
 * every entry has length ``num_layers + mtp_num_layers`` and the installed router's groups for
   its name in this world (`pipemetrics.sim.records.recorded_reduction`: 0.13-0.18 record
   ``z_loss`` without groups; 0.13 records the load-balancing loss without a reduce group when
@@ -39,7 +39,7 @@ MTP tracker (``MTPLossLoggingHelper.save_metrics_to_tracker`` from ``process_mtp
 dev: ``save_loss_to_tracker(loss_sum, num_tokens, ...)``, last item):
 
 * held only by the ranks of the last stage, each with ``mtp_num_layers`` slots, no reduce group
-  and the installed release's avg group (`installed_mtp_loss_avg_role`: data+context from
+  and the installed release's avg group (``mtp_loss_avg_role``: data+context from
   0.14, tensor+context on 0.13);
 * loss: a per-token cross entropy, finite and >= 0, and exactly 0 where no token was valid
   (``process_mtp_loss`` multiplies by ``num_tokens > 0``); correct and total: whole token counts
@@ -60,13 +60,13 @@ from __future__ import annotations
 import math
 import struct
 
-from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role, installed_router_routing
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.mcore import DpRule, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_layout,
     installed_z_loss_nan_at_zero_coeff,
 )
 from pipemetrics.sim.records import (
-    DpRule,
     EntrySnapshot,
     MtpRecord,
     MtpSnapshot,
@@ -135,7 +135,7 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     problems = []
     if len(mtp.loss) != layout.mtp_num_layers:
         problems.append(f"{where}: {len(mtp.loss)} loss slots != {layout.mtp_num_layers}")
-    avg = place.groups[installed_mtp_loss_avg_role()]
+    avg = place.groups[installed_features().mtp_loss_avg_role]
     if mtp.reduce_group is not None or mtp.avg_group != avg:
         problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
     if not all(0.0 <= v < math.inf for v in mtp.loss):
@@ -165,7 +165,7 @@ def dev_mtp_violations(setup: Setup, place: RankPlace, mtp: MtpSnapshot) -> list
     where = f"rank {place.rank} MTP"
     problems = []
     n = layout.mtp_num_layers
-    avg = place.groups[installed_mtp_loss_avg_role()]
+    avg = place.groups[installed_features().mtp_loss_avg_role]
     if len(mtp.loss) != n:
         problems.append(f"{where}: {len(mtp.loss)} loss slots != {n}")
     if mtp.reduce_group is not None or mtp.avg_group != avg:
@@ -227,7 +227,7 @@ def tp_peer_violations(
 def routing_violations(setup: Setup) -> list[str]:
     """Why the installed router records nothing for ``setup`` (its routing types are ones it
     cannot run: `RouterRouting.refusal`), as a one-item list; empty when it runs them."""
-    refusal = installed_router_routing().refusal(setup.layout)
+    refusal = installed_features().routing.refusal(setup.layout)
     return [] if refusal is None else [f"routing_type {setup.layout.routing_type!r}: {refusal}"]
 
 

@@ -39,15 +39,12 @@ from pipemetrics.sim.layout import (
     FirstLastSplit,
     LayoutSplit,
     ModelLayout,
-    RouterRouting,
     RoutingType,
     Setup,
     StageSplit,
     WorldSpec,
-    installed_layout_keeps_mtp_last,
-    installed_layout_takes_mtp,
-    installed_router_routing,
 )
+from pipemetrics.sim.mcore import RouterRouting, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
     installed_mtp_per_token_loss,
@@ -124,7 +121,7 @@ def splits(
     (``max_vpp`` > 1), see `layer_layouts`; neither with MTP layers where the installed
     megatron-core's layout refuses them (0.13)."""
     kinds = ["even", "explicit"] + (["first_last"] if pp > 1 else [])
-    layouts_ok = not mtp_num_layers or installed_layout_takes_mtp()
+    layouts_ok = not mtp_num_layers or installed_features().layout_takes_mtp
     kinds += ["layout"] if pp > 1 and flexible and layouts_ok else []
     kinds += ["virtual"] if pp > 1 and max_vpp > 1 and layouts_ok else []
     kind = draw(st.sampled_from(kinds))
@@ -162,7 +159,7 @@ def layer_layouts(
     count = pp * vpp
     decoders = draw(st.lists(st.integers(0, max_per_stage), min_size=count, max_size=count))
     mtp_at = None
-    if mtp_num_layers and installed_layout_keeps_mtp_last():  # 0.15: the last chunk only
+    if mtp_num_layers and installed_features().layout_keeps_mtp_last:  # 0.15: the last chunk only
         mtp_at = count - 1
     elif mtp_num_layers:
         mtp_at = (vpp - 1) * pp + draw(st.integers(0, pp - 1).map(lambda p: pp - 1 - p))
@@ -239,7 +236,7 @@ def layouts(
 ) -> ModelLayout:
     """A model layout for ``pp`` stages (stages without MoE, MTP on the last stage or, in a
     flexible layout, standalone on another, virtual pipeline chunks, ...); by default only
-    routing types the installed megatron-core's router runs (`installed_router_routing`:
+    routing types the installed megatron-core's router runs (``routing`` of `installed_features`:
     no list on 0.13, no ``global_aux_loss`` before 0.15), the only ones it records anything
     for."""
     mtp_num_layers = draw(st.integers(min_mtp, max_mtp))
@@ -247,7 +244,7 @@ def layouts(
         splits(pp, max_per_stage, mtp_num_layers=mtp_num_layers, flexible=flexible, max_vpp=max_vpp)
     )
     config = draw(
-        routing if routing is not None else routing_configs(router=installed_router_routing())
+        routing if routing is not None else routing_configs(router=installed_features().routing)
     )
     return ModelLayout(
         num_layers=num_layers,
@@ -500,7 +497,11 @@ CallMaker = Callable[[float], CallSpec]
 
 @st.composite
 def step_program(
-    draw: st.DrawFn, setup: Setup, scales: list[float], calls: list[CallMaker]
+    draw: st.DrawFn,
+    setup: Setup,
+    scales: list[float],
+    calls: list[CallMaker],
+    masked_mtp: bool = False,
 ) -> list[Step]:
     """One step per scale, as a rule-based state machine walks them (the ``multi_step``
     class). Each step either trains (every router and the MTP loss record, as Megatron's do
@@ -515,7 +516,9 @@ def step_program(
     steps = []
     for index, scale in enumerate(scales):
         trains = draw(st.booleans())
-        records = draw(synthetic_records(setup, values=values)) if trains else None
+        records = (
+            draw(synthetic_records(setup, values=values, masked_mtp=masked_mtp)) if trains else None
+        )
         order = draw(st.permutations(range(len(calls))))
         chosen = [i for i in order if draw(st.booleans())]
         if index == len(scales) - 1 and not chosen:
@@ -526,17 +529,23 @@ def step_program(
 
 @st.composite
 def steps_of(
-    draw: st.DrawFn, effort: Effort, setup: Setup, scales: list[float], calls: list[CallMaker]
+    draw: st.DrawFn,
+    effort: Effort,
+    setup: Setup,
+    scales: list[float],
+    calls: list[CallMaker],
+    masked_mtp: bool = False,
 ) -> list[Step]:
     """One step per scale: a `step_program` when there is more than one and the effort
     generates the ``multi_step`` class, else every step records and makes every call, in
-    order."""
+    order. ``masked_mtp``: MTP layers may have no valid position in a step
+    (`pipemetrics.properties.synthetic.masked_mtp_layers`)."""
     if len(scales) > 1 and effort.generates("multi_step"):
-        return draw(step_program(setup, scales, calls))
+        return draw(step_program(setup, scales, calls, masked_mtp))
     values = values_for(scales)
     return [
         Step(
-            records=draw(synthetic_records(setup, values=values)),
+            records=draw(synthetic_records(setup, values=values, masked_mtp=masked_mtp)),
             calls=[call(scale) for call in calls],
         )
         for scale in scales
@@ -552,12 +561,14 @@ def mtp_scenarios(
     min_steps: int = 1,
     max_steps: int = 1,
     scale_one: bool = True,
+    masked_mtp: bool = False,
 ) -> Scenario:
     """Synthetic records (MTP on the last stage), then ``get_mtp_metrics`` on every rank.
 
     With the generator class ``argument_forms``: ``loss_scale`` in every form of `loss_scale_forms`
     (``get_mtp_metrics()`` without an argument where a scale of 1 is allowed), negative and
-    very large scales."""
+    very large scales. ``masked_mtp``: some MTP layers may have no valid position in a step, on
+    any rank (0 tokens; where the installed tracker records token counts)."""
     setup = draw(setups(effort, min_mtp=1))
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, effort.max_steps))))
     forms = effort.generates("argument_forms")
@@ -572,7 +583,7 @@ def mtp_scenarios(
             return MtpCall(loss_scale_form="default")
         return MtpCall(loss_scale=scale, loss_scale_form=form)
 
-    steps = draw(steps_of(effort, setup, scales, [call]))
+    steps = draw(steps_of(effort, setup, scales, [call], masked_mtp))
     return Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)
 
 
@@ -603,7 +614,7 @@ def router_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Sce
     setup = draw(
         setups(
             effort,
-            routing=routing_configs(sinkhorn=False, router=installed_router_routing()),
+            routing=routing_configs(sinkhorn=False, router=installed_features().routing),
             shapes=world_shapes(effort, max_size=4),
         )
     )

@@ -10,9 +10,10 @@ decoder slot), each name the installed router records in the router's order
 (`pipemetrics.sim.records.recorded_reduction`) and entries of length
 ``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
 microbatch (0-based ``layer_number``, averaged over the installed release's group,
-`installed_mtp_loss_avg_role`): a loss and whole token counts with correct <= total, the same on
-tensor-parallel peers; on megatron-core dev as its training path saves them (a loss sum with
-its valid tokens, the layout's per-token mode, counts only while acceptance collection is on).
+``mtp_loss_avg_role`` of `installed_features`): a loss and whole token counts with correct <=
+total, the same on tensor-parallel peers; on megatron-core dev as its training path saves them
+(a loss sum with its valid tokens, the layout's per-token mode, counts only while acceptance
+collection is on).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import nan_recorded
-from pipemetrics.sim.layout import Setup, installed_mtp_loss_avg_role
+from pipemetrics.sim.layout import Setup
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.records import (
     MoeRecord,
@@ -118,7 +120,7 @@ def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord
     positions the counts cover), the layout's per-token mode, and the counts only while
     acceptance collection is on; else 0.13-0.19's (a per-token loss and the counts)."""
     layout = setup.layout
-    avg = installed_mtp_loss_avg_role()
+    avg = installed_features().mtp_loss_avg_role
     dev = installed_mtp_layout() == "loss_sums"
     records = []
     for microbatch in range(layout.microbatches):
@@ -152,14 +154,34 @@ def _mtp_records(setup: Setup, rank: int, mtp_value: MtpValue) -> list[MtpRecord
     return records
 
 
+def masked_mtp_layers(setup: Setup) -> st.SearchStrategy[frozenset[int]]:
+    """0-based MTP layers whose positions are all masked in a step, on every rank and in every
+    microbatch (each records loss 0, 0 correct of 0 tokens): any subset, often none, where the
+    installed tracker records token counts (``mtp_counts_acceptance``: 0.19+, whose
+    ``process_mtp_loss`` records ``loss * (num_tokens > 0) / num_tokens.clamp(min=1)``), else
+    none (0.13-0.18 record the loss only: such a layer is a recorded loss of 0, drawn anyway)."""
+    layers = setup.layout.mtp_num_layers
+    if not layers or not installed_features().mtp_counts_acceptance:
+        return st.just(frozenset())
+    return st.frozensets(st.integers(0, layers - 1))
+
+
 @st.composite
 def synthetic_records(
-    draw: st.DrawFn, setup: Setup, *, values: st.SearchStrategy[float] | None = None
+    draw: st.DrawFn,
+    setup: Setup,
+    *,
+    values: st.SearchStrategy[float] | None = None,
+    masked_mtp: bool = False,
 ) -> StepRecords:
-    """One training step's records on every rank of ``setup`` (see the module doc)."""
+    """One training step's records on every rank of ``setup`` (see the module doc); with
+    ``masked_mtp``, some MTP layers may have no valid position anywhere (`masked_mtp_layers`)."""
     drawn = values if values is not None else recorded_values()
+    masked = draw(masked_mtp_layers(setup)) if masked_mtp else frozenset()
 
     def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:
+        if layer in masked:
+            return 0.0, 0.0, 0.0
         correct, total = draw(token_counts())
         return (draw(mtp_losses()) if total else 0.0), correct, total
 

@@ -2,7 +2,7 @@
 
 Drop-in re-implementation of ``nemo_rl.models.megatron.common``: same names, parameters,
 defaults, return types and key formats. Vendor it by copying this single file; it imports only
-the standard library, ``torch`` and ``megatron.core``: megatron-core 0.18/0.19's tracker class
+the standard library, ``torch`` and ``megatron.core``: megatron-core 0.18-0.20's tracker class
 (``moe_logging.MoEMetricsTracker``) or, on 0.13-0.17, the legacy dict tracker of ``moe_utils``
 (``get_moe_layer_wise_logging_tracker``, ``reduce_aux_losses_tracker_across_ranks``), chosen at
 import by the API present, not by the version string.
@@ -37,10 +37,10 @@ import torch.distributed as dist
 # --------------------------------------------------------------------------- version guard
 
 #: The megatron-core releases this module is tested against: 0.13-0.17 (the legacy dict
-#: tracker of ``moe_utils``) and 0.18-0.19 (``moe_logging.MoEMetricsTracker``).
-SUPPORTED_MEGATRON_CORE = ">=0.13,<0.20"
+#: tracker of ``moe_utils``), 0.18-0.19 and main's 0.20.0 (``moe_logging.MoEMetricsTracker``).
+SUPPORTED_MEGATRON_CORE = ">=0.13,<0.21"
 _SUPPORTED_MIN = (0, 13)  # inclusive (major, minor)
-_SUPPORTED_END = (0, 20)  # exclusive (major, minor)
+_SUPPORTED_END = (0, 21)  # exclusive (major, minor)
 _MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
 _MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
 #: The tracker APIs, newest first: (name, the module that marks it, what it needs). The first

@@ -69,8 +69,8 @@ from pipemetrics.sim.hang_detection import (
     measure_hang_detection,
     report_section,
 )
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
@@ -243,8 +243,9 @@ scaling curve when `make_plan` lists sizes for it, and a throughput column when 
 def tier_unsupported(tier: str) -> str | None:
     """Why ``tier`` cannot run with the installed megatron-core, or None (the in-process tier is
     refused on 0.13-0.17: `inprocess_unsupported`). What it would measure is left out of the
-    run and reported as not measured on this release, with this reason."""
-    return inprocess_unsupported() if tier == "inprocess" else None
+    run and reported as not measured on this release, with this reason. The package answers
+    (``inprocess_refusal`` of `installed_features`)."""
+    return installed_features().inprocess_refusal if tier == "inprocess" else None
 
 
 class PidLog(list[int]):

@@ -15,7 +15,10 @@ What the adapter adds, and nothing else (no reduction, no scaling, no mean of it
    mtp_num_layers)``. Under the ``seed`` profile (``num_moe_layers`` not passed) the adapter
    passes ``moe_layer_freq=None``, and ``report()`` divides by ``num_layers + mtp_num_layers``:
    exactly the seed's tracker length. Under the ``megatron`` profile the caller passes
-   ``num_moe_layers`` (main MoE layers + every MTP layer, as ``_count_moe_layers`` counts) and
+   ``num_moe_layers`` (main MoE layers + every MTP layer, as ``_count_moe_layers`` counts).
+   Where ``report()`` takes ``num_moe_layers`` itself (megatron-core main, 0.20:
+   ``report_takes_num_moe_layers`` of `pipemetrics.sim.mcore`), the adapter passes it through
+   and ``report()`` divides by it (raising ``ValueError`` when it is not positive). Elsewhere
    the adapter passes ``moe_layer_freq`` as a 0/1 pattern with ``num_moe_layers -
    mtp_num_layers`` ones: ``report()`` only counts the pattern (``sum(moe_layer_freq)``), so it
    divides by ``num_moe_layers``. Either way the mean is ``report()``'s own.
@@ -43,11 +46,11 @@ import re
 from typing import Any
 
 import torch
-from megatron.core.transformer import multi_token_prediction
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.trackers import legacy_has_dp_flag, moe_logging
+from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.trackers import moe_logging
 
 _MTP_LOSS_TAG = re.compile(r"mtp_(\d+) loss")
 _MTP_RATE_TAG = re.compile(r"mtp_(\d+)_acceptance_rate")
@@ -105,6 +108,11 @@ def get_moe_metrics(
             return {}  # nothing recorded, nothing to pre-initialise: report() has no names
         num_layers = max(lengths) - (mtp_num_layers or 0)
     writer = ScalarCollector()
+    count: dict[str, Any] = (
+        {"num_moe_layers": num_moe_layers}
+        if num_moe_layers is not None and installed_features().report_takes_num_moe_layers
+        else {"moe_layer_freq": moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers)}
+    )
     tracker.report(
         loss_scale=loss_scale,
         iteration=0,
@@ -113,9 +121,9 @@ def get_moe_metrics(
         force_initialize=force_initialize,
         track_names=None if track_names is None else list(track_names),
         num_layers=num_layers,
-        moe_layer_freq=moe_layer_pattern(num_layers, mtp_num_layers, num_moe_layers),
         mtp_num_layers=mtp_num_layers,
         total_loss_dict=total_loss_dict,
+        **count,
     )
     return dict(writer.scalars)
 
@@ -148,7 +156,7 @@ def legacy_track_moe_metrics(
         num_layers = max(lengths) - (mtp_num_layers or 0)
     elif track_names and not torch.cuda.is_available():
         length = num_layers
-        if hasattr(multi_token_prediction, "process_mtp_loss"):
+        if installed_features().force_init_includes_mtp:
             length += mtp_num_layers or 0
         for name in track_names:
             if name not in tracker:
@@ -157,7 +165,7 @@ def legacy_track_moe_metrics(
                     "reduce_group": None,
                     "avg_group": None,
                 }
-                if legacy_has_dp_flag():
+                if installed_features().legacy_saver_has_dp_flag:
                     entry["reduce_group_has_dp"] = False
                 tracker[name] = entry
     writer = ScalarCollector()

@@ -27,14 +27,10 @@ from pydantic import BaseModel, ConfigDict
 
 from pipemetrics.sim.calls import MoeCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.pool import WorldPool
 from pipemetrics.sim.protocol import CallReport, CollectiveCall, RunMode
-from pipemetrics.sim.records import (
-    MoeRecord,
-    StepRecords,
-    class_tracker_installed,
-    router_record,
-)
+from pipemetrics.sim.records import MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.topology import coordinates
 
@@ -51,8 +47,9 @@ OBJECT_GATHERS = frozenset({"all_gather_object", "gather_object"})
 
 def megatron_function() -> str:
     """What the megatron side calls on the installed release, decided by feature as the built-in
-    target decides it (the ``moe_logging`` module, 0.18+), without importing megatron."""
-    if class_tracker_installed():
+    target decides it (``class_tracker`` of `installed_features`: 0.18+), without importing
+    megatron."""
+    if installed_features().class_tracker:
         return "MoEMetricsTracker.report()"
     return "moe_utils.track_moe_metrics() (its reduction: reduce_aux_losses_tracker_across_ranks)"
 

@@ -23,8 +23,9 @@ from typing import Any
 from pipemetrics.sim.coordinator import Verdict
 from pipemetrics.sim.entry import host_entry
 from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.protocol import HostReady, RunMode, Shutdown, Task
-from pipemetrics.sim.records import RankPlace, class_tracker_installed
+from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.scheduler import UNWIND_GRACE_S, WATCHDOG_MARGIN_S, TaskOutcome, require_mode
 from pipemetrics.sim.world import (
@@ -54,13 +55,8 @@ def inprocess_unsupported() -> str | None:
     keeps MoE metrics in ``moe_logging.MoEMetricsTracker`` (0.18+). On 0.13's legacy dict tracker
     the differential test fails (deadlocks and values differ, a 64-rank world raises), so the
     tier refuses the legacy releases rather than risk a wrong verdict (``prove`` has no second
-    tier to confirm on)."""
-    if class_tracker_installed():
-        return None
-    return (
-        "the in-process tier is validated on megatron-core 0.18+ (its MoEMetricsTracker) only; "
-        "the installed release keeps the legacy dict tracker, where the tiers disagree"
-    )
+    tier to confirm on). The package answers (``inprocess_refusal`` of `installed_features`)."""
+    return installed_features().inprocess_refusal
 
 
 class InProcessWorld(WorldBase):

@@ -9,15 +9,13 @@ violation names the field and the rule it breaks.
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Sequence
-from functools import cache, cached_property
-from importlib import metadata
-from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from functools import cached_property
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout
 
 RoutingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
@@ -55,207 +53,6 @@ def router_track_names(
     names += [TRACK_NAME_OF[t] for t in AUX_LOSS_TYPES
               if router_aux_coeff(routing_type, aux_loss_coeff, t) > 0]  # fmt: skip
     return names
-
-
-MtpNumbering = Literal["router_adds_num_layers", "layer_passes_global", "default_layer_number"]
-"""How a release numbers the router of a MoE layer inside MTP layer ``k`` (see
-`pipemetrics.sim.router_fill.mtp_router_numbering`): ``router_adds_num_layers`` (0.17+) and
-``layer_passes_global`` (0.16) record into slot ``num_layers + k``; ``default_layer_number``
-(0.13-0.15) into the slot of the MTP chunk's first decoder layer."""
-
-
-class RouterRouting(NamedTuple):
-    """What the installed megatron-core's ``TopKRouter`` runs beyond one aux-loss type."""
-
-    type_lists: bool
-    """A list of load-balancing types (0.14+: ``get_aux_loss_coeff``)."""
-    global_aux_loss: bool
-    """The ``global_aux_loss`` type (0.15+: ``_apply_global_aux_loss``)."""
-
-    def refusal(self, layout: ModelLayout) -> str | None:
-        """Why a router with these features cannot run ``layout``'s routing types (0.13 raises
-        for a list, 0.14 skips ``global_aux_loss``), or ``None`` when it can."""
-        types = layout.routing_type
-        if isinstance(types, list) and not self.type_lists:
-            return "a list of load-balancing types needs TopKRouter.get_aux_loss_coeff"
-        listed = types if isinstance(types, list) else [types]
-        if "global_aux_loss" in listed and not self.global_aux_loss:
-            return "global_aux_loss needs TopKRouter._apply_global_aux_loss"
-        return None
-
-
-@cache
-def _installed_source(module: str) -> str | None:
-    """The source of megatron-core's ``megatron/core/{module}.py`` as installed, read without
-    importing megatron (the controller never imports it), or ``None`` when it is not found.
-    Read once per process (the generators ask for every example)."""
-    try:
-        path = metadata.distribution("megatron-core").locate_file(f"megatron/core/{module}.py")
-        return Path(str(path)).read_text(encoding="utf-8")
-    except (metadata.PackageNotFoundError, OSError):
-        return None
-
-
-def installed_router_routing() -> RouterRouting:
-    """`RouterRouting` of the installed megatron-core, read from its ``router.py``; the same
-    features ``pipemetrics.sim.router_fill`` detects on the class inside a rank. Everything is
-    assumed present when the file cannot be found."""
-    source = _installed_source("transformer/moe/router")
-    if source is None:
-        return RouterRouting(type_lists=True, global_aux_loss=True)
-    return RouterRouting(
-        type_lists="def get_aux_loss_coeff(" in source,
-        global_aux_loss="def _apply_global_aux_loss(" in source,
-    )
-
-
-def installed_router_averages_z_loss() -> bool:
-    """Whether the installed ``TopKRouter.apply_z_loss`` records ``z_loss`` with an avg group
-    (0.19+ passes ``avg_group``; 0.13-0.18 record it without groups), read from its source as
-    `installed_router_routing` does. Assumed (0.19's way) when the file or method is not found.
-    The reference decides the same from the imported class (``_router_canonical``)."""
-    method = _definition("transformer/moe/router", "apply_z_loss", "TopKRouter")
-    if method is None:
-        return True
-    return any(
-        keyword.arg == "avg_group"
-        for call in ast.walk(method)
-        if isinstance(call, ast.Call)
-        for keyword in call.keywords
-    )
-
-
-@cache
-def _installed_tree(module: str) -> ast.Module | None:
-    """`_installed_source` parsed, once per process; ``None`` when it is not found."""
-    source = _installed_source(module)
-    return None if source is None else ast.parse(source)
-
-
-def _definition(module: str, function: str, owner: str | None = None) -> ast.FunctionDef | None:
-    """The definition of ``function`` (in class ``owner`` when given) in the installed module."""
-    tree = _installed_tree(module)
-    if tree is None:
-        return None
-    scopes: list[ast.AST] = [tree]
-    if owner is not None:
-        scopes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == owner]
-    for scope in scopes:
-        for node in ast.iter_child_nodes(scope):
-            if isinstance(node, ast.FunctionDef) and node.name == function:
-                return node
-    return None
-
-
-def _parameters(module: str, function: str, owner: str | None = None) -> list[str] | None:
-    """The parameter names of ``function`` (a method of class ``owner`` when given) in the
-    installed ``megatron/core/{module}.py``; ``None`` when the file or function is not found."""
-    found = _definition(module, function, owner)
-    return None if found is None else [a.arg for a in found.args.args + found.args.kwonlyargs]
-
-
-def installed_seq_aux_loss_name() -> str:
-    """The name the installed ``TopKRouter`` records the sequence-level aux loss under:
-    ``seq_load_balancing_loss`` (0.14+), or ``load_balancing_loss`` where the router has no
-    such name (0.13's ``apply_load_balancing_loss`` records every load-balancing loss as
-    ``"load_balancing_loss"``). Read from ``router.py``; 0.14+'s name when it is not found."""
-    source = _installed_source("transformer/moe/router")
-    if source is None or '"seq_load_balancing_loss"' in source:
-        return "seq_load_balancing_loss"
-    return "load_balancing_loss"
-
-
-def installed_router_skips_lone_reduce_group() -> bool:
-    """Whether the installed ``TopKRouter`` records its load-balancing loss without a reduce
-    group when the tensor x context group has one rank (0.13: ``sequence_partition_group`` is
-    ``self.tp_cp_group`` only ``if self.tp_cp_group.size() > 1``; 0.14+ always pass the group).
-    Read from ``router.py``; 0.14+'s way when it is not found."""
-    source = _installed_source("transformer/moe/router")
-    return source is not None and "self.tp_cp_group.size() > 1" in source
-
-
-def installed_tracker_keeps_dp_flag() -> bool:
-    """Whether the installed MoE tracker keeps a per-entry data-parallel setting: 0.18+'s
-    ``MetricEntry.needs_dp_avg`` (``moe_logging``), 0.16/0.17's ``reduce_group_has_dp`` of
-    ``save_to_aux_losses_tracker``. 0.13-0.15 have none and average every entry over data (x
-    context) alike, so the router's ``needs_dp_avg=False`` (``global_load_balancing_loss``, 0.15)
-    is not kept. Read from the source; kept when the files are not found."""
-    if _installed_source("transformer/moe/moe_logging") is not None:
-        return True
-    saver = _parameters("transformer/moe/moe_utils", "save_to_aux_losses_tracker")
-    return saver is None or "reduce_group_has_dp" in saver
-
-
-def installed_mtp_router_numbering() -> MtpNumbering:
-    """`MtpNumbering` of the installed megatron-core, read from its source: the same features
-    `pipemetrics.sim.router_fill.mtp_router_numbering` detects on the classes inside a rank
-    (``TopKRouter.__init__`` takes ``is_mtp_layer``: 0.17+; ``get_mtp_layer_offset`` takes
-    ``vp_stage``: 0.16). 0.17+'s when the files are not found."""
-    router = _parameters("transformer/moe/router", "__init__", "TopKRouter")
-    if router is None or "is_mtp_layer" in router:
-        return "router_adds_num_layers"
-    offset = _parameters("transformer/multi_token_prediction", "get_mtp_layer_offset")
-    if offset is None or "vp_stage" in offset:
-        return "layer_passes_global"
-    return "default_layer_number"
-
-
-def installed_mtp_loss_avg_role() -> str:
-    """The group role (`pipemetrics.sim.records.RankPlace.groups`) the installed megatron-core
-    saves the MTP loss with as ``avg_group``: ``tp_cp`` where
-    ``MultiTokenPredictionBlock.forward`` saves it itself (0.13, with
-    ``get_tensor_and_context_parallel_group()``), else ``dp_cp`` (0.14+: ``GPTModel`` /
-    ``process_mtp_loss`` pass the data+context group). Read from the source as
-    `pipemetrics.sim.router_fill.mtp_loss_avg_group` reads the class; ``dp_cp`` when not found."""
-    forward = _definition(
-        "transformer/multi_token_prediction", "forward", "MultiTokenPredictionBlock"
-    )
-    if forward is not None and "save_loss_to_tracker" in ast.dump(forward):
-        return "tp_cp"
-    return "dp_cp"
-
-
-def installed_layout_takes_mtp() -> bool:
-    """Whether the installed megatron-core's ``PipelineParallelLayerLayout`` accepts MTP layers
-    (0.14+: ``validate_layer_layout`` takes ``mtp_num_layers``; 0.13 raises
-    ``NotImplementedError`` for them), read from its source as `installed_router_routing`
-    does. Assumed when the file cannot be found."""
-    tree = _installed_tree("transformer/pipeline_parallel_layer_layout")
-    if tree is None:
-        return True
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == "validate_layer_layout":
-            return "mtp_num_layers" in [a.arg for a in node.args.args]
-    return True
-
-
-MTP_ON_THE_LAST_STAGE = "MTP layers must be in the last stage together with Loss stage."
-"""The message of the rule megatron-core 0.15's ``validate_layer_layout`` enforces
-(`installed_layout_keeps_mtp_last`)."""
-
-
-@cache  # read once per process: every layout's validation asks
-def installed_layout_keeps_mtp_last() -> bool:
-    """Whether the installed megatron-core's ``PipelineParallelLayerLayout.validate_layer_layout``
-    refuses MTP layers outside the last pipeline stage (`MTP_ON_THE_LAST_STAGE`): 0.15 asserts it;
-    0.14 has the same assert written as ``assert (condition, ), message``, a tuple, which is
-    always true, so 0.14 accepts them, as 0.16+ do (``mtp_standalone``). Read from the source:
-    an ``assert`` with that message whose test is not a tuple. False when the file or the method
-    is not found."""
-    method = _definition(
-        "transformer/pipeline_parallel_layer_layout",
-        "validate_layer_layout",
-        "PipelineParallelLayerLayout",
-    )
-    if method is None:
-        return False
-    return any(
-        isinstance(node, ast.Assert)
-        and isinstance(node.msg, ast.Constant)
-        and node.msg.value == MTP_ON_THE_LAST_STAGE
-        and not isinstance(node.test, ast.Tuple)
-        for node in ast.walk(method)
-    )
 
 
 class Frozen(BaseModel):
@@ -437,8 +234,8 @@ class ModelLayout(Frozen):
     @property
     def recorded_track_names(self) -> list[str]:
         """`live_track_names` as the installed megatron-core's router records them: the
-        seq-aux loss under `installed_seq_aux_loss_name` (0.13: ``load_balancing_loss``)."""
-        seq = installed_seq_aux_loss_name()
+        seq-aux loss under its ``seq_aux_loss_name`` (0.13: ``load_balancing_loss``)."""
+        seq = installed_features().seq_aux_loss_name
         renamed = [seq if n == TRACK_NAME_OF["seq_aux_loss"] else n for n in self.live_track_names]
         return list(dict.fromkeys(renamed))
 
@@ -594,10 +391,11 @@ class Setup(Frozen):
 
     def mtp_router_slot(self, k: int) -> int:
         """The 1-based tracker slot the router of MoE MTP layer ``k`` (1-based) records into on
-        the installed release (`installed_mtp_router_numbering`): ``num_layers + k`` (0.16+), or
+        the installed release (``mtp_router_numbering`` of `installed_features`): ``num_layers +
+        k`` (0.16+), or
         ``1 + mtp_chunk_layer_offset`` (0.13-0.15: the MTP chunk's first decoder layer, the
         same slot for every MTP layer)."""
-        if installed_mtp_router_numbering() == "default_layer_number":
+        if installed_features().mtp_router_numbering == "default_layer_number":
             return 1 + self.mtp_chunk_layer_offset
         return self.layout.num_layers + k
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pipemetrics.sim.calls import MoeCall, MtpCall
+from pipemetrics.sim.mcore import DpRule
 from pipemetrics.sim.records import (
-    DpRule,
     EntrySnapshot,
     MtpSnapshot,
     RankPlace,

@@ -19,6 +19,8 @@ from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict
 
+from pipemetrics.sim.mcore import MTP_ON_THE_LAST_STAGE, installed_features
+
 LAYER_CHARS: dict[str, str] = {"E": "embedding", "L": "loss", "t": "decoder", "m": "mtp"}
 """Megatron's ``char2layer_type``: layout character -> ``LayerType`` member name."""
 
@@ -116,9 +118,7 @@ class PipelineLayout:
                         "Currently we restrict that the MTP should be always in the last ",
                     )
                 )
-        from pipemetrics.sim.layout import MTP_ON_THE_LAST_STAGE, installed_layout_keeps_mtp_last
-
-        keeps_last = installed_layout_keeps_mtp_last()  # megatron-core 0.15, with its message
+        keeps_last = installed_features().layout_keeps_mtp_last  # 0.15, with its message
         same = "same stage" if keeps_last else "same one virtual pipeline stage"
         for pp_rank, row in enumerate(grid):
             if "m" in row[-1]:

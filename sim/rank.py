@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
-import inspect
 import os
 import shutil
 import signal
@@ -42,6 +41,7 @@ from pipemetrics.sim.calls import (
 )
 from pipemetrics.sim.interpose import Interposer
 from pipemetrics.sim.layout import LayoutSplit, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.protocol import (
     Abort,
     Call,
@@ -418,13 +418,12 @@ def _check_layers_with_megatron(setup: Setup, pp_rank: int) -> None:
     layout = PipelineParallelLayerLayout(split.layout, setup.world.pp)
     # 0.13 validates without mtp_num_layers (and refuses MTP in a layout); before 0.15 the
     # layer list reads the pipeline rank from parallel_state, which is this rank's pp_rank
-    if "mtp_num_layers" in inspect.signature(layout.validate_layer_layout).parameters:
+    features = installed_features()
+    if features.layout_takes_mtp:
         layout.validate_layer_layout(setup.layout.num_layers, setup.layout.mtp_num_layers)
     else:
         layout.validate_layer_layout(setup.layout.num_layers)
-    rank_arg = (
-        (pp_rank,) if "pp_rank" in inspect.signature(layout.get_layer_id_list).parameters else ()
-    )
+    rank_arg = (pp_rank,) if features.layout_ids_take_pp_rank else ()
     megatron = [
         tuple(n + 1 for n in layout.get_layer_id_list(LayerType.decoder, v, *rank_arg))
         for v in range(layout.virtual_pipeline_model_parallel_size)

@@ -7,19 +7,12 @@ process-group objects, float lists instead of tensors.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipemetrics.sim.layout import (
-    Frozen,
-    WorldSpec,
-    installed_router_averages_z_loss,
-    installed_router_skips_lone_reduce_group,
-    installed_tracker_keeps_dp_flag,
-)
+from pipemetrics.sim.layout import Frozen, WorldSpec
+from pipemetrics.sim.mcore import DpRule, installed_features
 
 Ranks = tuple[int, ...]
 
@@ -73,23 +66,9 @@ class MtpSnapshot(Frozen):
     acceptance_enabled: bool = True
 
 
-DpRule = Literal["needs_dp_avg", "after_reduce_group", "always_dp_cp", "none"]
-"""How the installed megatron-core's MoE reduction averages over data parallelism, after the
-pipeline SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG of every release:
-
-* ``needs_dp_avg`` (0.18, 0.19: ``MoEMetricsTracker._sync_metrics``): AVG over dp (without cp)
-  last, for entries with ``needs_dp_avg``;
-* ``after_reduce_group`` (0.16, 0.17): AVG over dp right after the ``reduce_group`` SUM (before
-  the ``avg_group`` AVG), only for entries with a ``reduce_group`` and ``needs_dp_avg`` (``not
-  reduce_group_has_dp``): an entry without a ``reduce_group`` stays rank-local over dp;
-* ``always_dp_cp`` (0.14, 0.15): AVG over dp x cp last, for every entry;
-* ``none`` (0.13): no DP step at all.
-"""
-
-
 class TrackerSnapshot(Frozen):
     """Both trackers of one rank; ``moe`` keeps the rank's insertion order. ``dp_rule``: the
-    reduction the release the rank ran records for (`DpRule`)."""
+    reduction the release the rank ran records for (`pipemetrics.sim.mcore.DpRule`)."""
 
     moe: dict[str, EntrySnapshot] = Field(default_factory=dict)
     mtp: MtpSnapshot | None = None
@@ -176,34 +155,24 @@ def router_reduction() -> dict[str, Reduction]:
     megatron-core 0.19 averages ``z_loss`` over tensor+data+context (`ROUTER_REDUCTION`); 0.13 to
     0.18 record it without groups (`Z_LOSS_WITHOUT_GROUPS`; 0.13 records ``load_balancing_loss``
     without a reduce group when tensor x context parallelism is 1, numerically the same). The
-    router's code decides (`installed_router_averages_z_loss`), not its version. The table of
+    router's code decides (``router_averages_z_loss`` of `installed_features`), not its version. The table of
     one world, with 0.13's lone groups left out: `recorded_reduction`.
     """
-    return ROUTER_REDUCTION if installed_router_averages_z_loss() else Z_LOSS_WITHOUT_GROUPS
-
-
-def class_tracker_installed() -> bool:
-    """Whether the installed megatron-core keeps MoE metrics in ``moe_logging.MoEMetricsTracker``
-    (0.18+), not in 0.13-0.17's dict tracker of ``moe_utils``: the module's file decides, found
-    without importing megatron (the controller does not import it; inside a rank
-    `pipemetrics.sim.trackers.legacy_tracker` decides by importing the module)."""
-    spec = importlib.util.find_spec("megatron")
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    return any(
-        Path(root, "core", "transformer", "moe", "moe_logging.py").is_file() for root in roots
-    )
+    averaged = installed_features().router_averages_z_loss
+    return ROUTER_REDUCTION if averaged else Z_LOSS_WITHOUT_GROUPS
 
 
 def recorded_reduction(world: WorldSpec) -> dict[str, Reduction]:
     """`router_reduction` as the installed router records it in ``world``: where it passes its
     tensor+context group as a load-balancing loss's reduce group only when that group has more
-    than one rank (0.13, `installed_router_skips_lone_reduce_group`) and ``tp * cp == 1``,
-    those names have no reduce group; where the tracker keeps no per-entry data-parallel
-    setting (0.13-0.15, `installed_tracker_keeps_dp_flag`), every name is averaged over dp."""
+    than one rank (0.13, ``router_skips_lone_reduce_group``) and ``tp * cp == 1``, those names
+    have no reduce group; where the tracker keeps no per-entry data-parallel setting (0.13-0.15,
+    ``tracker_keeps_dp_flag``), every name is averaged over dp (`installed_features`)."""
+    features = installed_features()
     table = router_reduction()
-    if not installed_tracker_keeps_dp_flag():  # 0.13-0.15: every entry is averaged over dp
+    if not features.tracker_keeps_dp_flag:  # 0.13-0.15: every entry is averaged over dp
         table = {name: (reduce, avg, True) for name, (reduce, avg, _) in table.items()}
-    if world.tp * world.cp > 1 or not installed_router_skips_lone_reduce_group():
+    if world.tp * world.cp > 1 or not features.router_skips_lone_reduce_group:
         return table
     return {
         name: (None if reduce == "tp_cp" else reduce, avg, needs_dp_avg)

@@ -9,8 +9,8 @@ the ``needs_dp_avg`` flags are megatron-core's, not a re-implementation. `Router
 does the same for ``MTPLossLoggingHelper`` with the exact call that
 ``megatron/core/transformer/multi_token_prediction.py`` makes.
 
-Every supported release's own router is built, by feature (`router_constructor_kwargs`,
-`mtp_router_numbering`): the process groups go in as ``pg_collection`` (0.15+) or
+Every supported release's own router is built, by feature (`pipemetrics.sim.mcore`:
+`router_constructor_kwargs`, `mtp_router_layer_number`): the process groups go in as ``pg_collection`` (0.15+) or
 ``model_comm_pgs`` (0.13/0.14), built by the release's own ``moe_utils`` default that
 ``MoELayer`` uses when given none; MoE routers inside MTP layers are numbered as that release's
 ``MultiTokenPredictionLayer`` numbers them (survey ``docs/megatron-core-releases.md`` §2.3), so
@@ -44,10 +44,8 @@ tensor+context group, the global aux loss over tensor+data+context. All ranks of
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
-import inspect
 import math
 import types
 import warnings
@@ -63,7 +61,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipemetrics.sim.calls import RouterConfig
-from pipemetrics.sim.layout import ModelLayout, MtpNumbering, Setup
+from pipemetrics.sim.layout import ModelLayout, Setup
+from pipemetrics.sim.mcore import MtpNumbering, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.trackers import cpu_current_device, save_mtp, save_mtp_per_token
 
@@ -94,30 +93,17 @@ def _generator(*parts: int) -> torch.Generator:
     return gen
 
 
-def router_takes_type_lists() -> bool:
-    """Whether the installed ``TopKRouter`` runs a list of load-balancing types (0.14+: it has
-    ``get_aux_loss_coeff``; 0.13 compares ``routing_type`` to single strings and raises
-    ``Unsupported MoE routing type`` for anything else)."""
-    return hasattr(TopKRouter, "get_aux_loss_coeff")
-
-
-def router_runs_global_aux_loss() -> bool:
-    """Whether the installed ``TopKRouter`` computes ``global_aux_loss`` (0.15+; 0.14 silently
-    skips it in a list, 0.13 raises for it)."""
-    return hasattr(TopKRouter, "_apply_global_aux_loss")
-
-
 def unsupported_routing(layout: ModelLayout) -> str | None:
     """Why the installed release's router cannot run ``layout``'s routing configuration, or
-    ``None`` when it can (feature detection, see `router_takes_type_lists` and
-    `router_runs_global_aux_loss`)."""
+    ``None`` when it can (``routing`` of `installed_features`)."""
+    routing = installed_features().routing
     types = layout.routing_type if isinstance(layout.routing_type, list) else [layout.routing_type]
-    if isinstance(layout.routing_type, list) and not router_takes_type_lists():
+    if isinstance(layout.routing_type, list) and not routing.type_lists:
         return (
             f"routing_type: the installed megatron-core's TopKRouter takes one load-balancing "
             f"type, not a list (lists: 0.14+), got {layout.routing_type!r}"
         )
-    if "global_aux_loss" in types and not router_runs_global_aux_loss():
+    if "global_aux_loss" in types and not routing.global_aux_loss:
         return (
             "routing_type: the installed megatron-core's TopKRouter has no global_aux_loss (0.15+)"
         )
@@ -125,51 +111,37 @@ def unsupported_routing(layout: ModelLayout) -> str | None:
 
 
 def router_constructor_kwargs(is_mtp: bool) -> dict[str, Any]:
-    """The process-group and MTP keyword arguments the installed ``TopKRouter`` takes.
+    """The process-group and MTP keyword arguments the installed ``TopKRouter`` takes
+    (`installed_features`).
 
     ``pg_collection`` (0.15+) or ``model_comm_pgs`` (0.13/0.14), each built by the release's own
     ``moe_utils`` default (``get_default_pg_collection`` / ``get_default_model_comm_pgs``), as
     ``MoELayer`` builds it when given none; ``is_mtp_layer`` where the router takes it (0.17+).
     """
-    params = inspect.signature(TopKRouter.__init__).parameters
+    features = installed_features()
     kwargs: dict[str, Any] = {}
-    if "pg_collection" in params:
+    if features.router_group_keyword == "pg_collection":
         kwargs["pg_collection"] = moe_utils.get_default_pg_collection()
-    elif "model_comm_pgs" in params:
-        kwargs["model_comm_pgs"] = moe_utils.get_default_model_comm_pgs()
     else:
-        raise TypeError(
-            "the installed megatron-core's TopKRouter takes neither pg_collection nor "
-            f"model_comm_pgs: {list(params)}"
-        )
-    if "is_mtp_layer" in params:
+        kwargs["model_comm_pgs"] = moe_utils.get_default_model_comm_pgs()
+    if features.mtp_router_numbering == "router_adds_num_layers":
         kwargs["is_mtp_layer"] = is_mtp
     return kwargs
 
 
-def mtp_router_numbering() -> MtpNumbering:
-    """How the installed release numbers the router of a MoE layer inside MTP layer ``k``
-    (the controller reads the same from the source: `installed_mtp_router_numbering`).
+def mtp_router_layer_number(setup: Setup, k: int, numbering: MtpNumbering) -> int:
+    """The layer number ``set_layer_number`` gets for the router of 1-based MTP layer ``k``
+    under the release's ``numbering`` (`pipemetrics.sim.mcore.MtpNumbering`):
 
     * ``"router_adds_num_layers"`` (0.17+): built with ``is_mtp_layer=True``, layer number ``k``;
       the router records at ``k + num_layers``.
-    * ``"layer_passes_global"`` (0.16, whose ``get_mtp_layer_offset`` takes ``vp_stage``):
-      ``MultiTokenPredictionLayer`` hands its transformer layer ``num_layers + k``.
+    * ``"layer_passes_global"`` (0.16): ``MultiTokenPredictionLayer`` hands its transformer
+      layer ``num_layers + k``.
     * ``"default_layer_number"`` (0.13-0.15): the MTP transformer layer is built without a
       layer number (1) plus ``get_transformer_layer_offset`` of the chunk that builds it (the
       decoder layers of every earlier chunk, `Setup.mtp_chunk_layer_offset`), so the router
       records into the slot of that chunk's first decoder layer, if it has one.
     """
-    if "is_mtp_layer" in inspect.signature(TopKRouter.__init__).parameters:
-        return "router_adds_num_layers"
-    offset = inspect.signature(multi_token_prediction.get_mtp_layer_offset).parameters
-    if "vp_stage" in offset:
-        return "layer_passes_global"
-    return "default_layer_number"
-
-
-def mtp_router_layer_number(setup: Setup, k: int, numbering: MtpNumbering) -> int:
-    """The layer number ``set_layer_number`` gets for the router of 1-based MTP layer ``k``."""
     if numbering == "router_adds_num_layers":
         return k
     if numbering == "layer_passes_global":
@@ -178,11 +150,11 @@ def mtp_router_layer_number(setup: Setup, k: int, numbering: MtpNumbering) -> in
 
 
 def mtp_loss_avg_group() -> Any:
-    """The ``avg_group`` the installed release saves the MTP loss with: the data+context group
-    where ``GPTModel`` / ``process_mtp_loss`` saves it (0.14+), the tensor+context group where
-    ``MultiTokenPredictionBlock.forward`` saves it itself (0.13)."""
-    forward = multi_token_prediction.MultiTokenPredictionBlock.forward
-    if "save_loss_to_tracker" in inspect.getsource(forward):
+    """The ``avg_group`` the installed release saves the MTP loss with (``mtp_loss_avg_role`` of
+    `installed_features`): the data+context group where ``GPTModel`` / ``process_mtp_loss`` saves
+    it (0.14+), the tensor+context group where ``MultiTokenPredictionBlock.forward`` saves it
+    itself (0.13)."""
+    if installed_features().mtp_loss_avg_role == "tp_cp":
         return parallel_state.get_tensor_and_context_parallel_group()
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
@@ -257,8 +229,7 @@ def build_transformer_config(setup: Setup, routing: dict[str, Any] | None = None
         if isinstance(layout.aux_loss_coeff, list)
         else float(layout.aux_loss_coeff)
     )
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    fusion = {"moe_router_fusion": False} if "moe_router_fusion" in fields else {}
+    fusion = {"moe_router_fusion": False} if installed_features().config_has_router_fusion else {}
     if routing is None:
         routing = {"moe_router_load_balancing_type": routing_type, "moe_aux_loss_coeff": coeff,
                    "moe_z_loss_coeff": layout.z_loss_coeff}  # fmt: skip
@@ -302,7 +273,7 @@ class RouterStage:
     (1-based global numbers, recorded at tracker slot ``layer_number``), then, on the MTP stage
     when ``setup.layout.mtp_is_moe``, one router per MTP layer (``layer_number`` 1..mtp), built
     and numbered as the installed release's ``MultiTokenPredictionLayer`` does
-    (`mtp_router_numbering`): slot ``layer_number + num_layers`` on 0.16+, the slot of the MTP
+    (`mtp_router_layer_number`): slot ``layer_number + num_layers`` on 0.16+, the slot of the MTP
     chunk's first decoder layer on 0.13-0.15 (`moe_slots` holds the slots).
 
     Build it after ``parallel_state.initialize_model_parallel`` with sizes matching
@@ -343,7 +314,7 @@ class RouterStage:
         self.config: Any = build_transformer_config(setup)
         self.dp_rank: int = parallel_state.get_data_parallel_rank()
         self.cp_rank: int = parallel_state.get_context_parallel_rank()
-        numbering = mtp_router_numbering()
+        numbering = installed_features().mtp_router_numbering
 
         plan = [(n, False) for n in setup.moe_layers_on_stage(stage)]
         if layout.mtp_is_moe:

@@ -8,7 +8,6 @@ nature stays contained: every scenario starts from `reset_trackers`.
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import ModuleType
@@ -19,12 +18,12 @@ import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+from pipemetrics.sim.mcore import DpRule, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
     installed_mtp_layout,
 )
 from pipemetrics.sim.records import (
-    DpRule,
     EntrySnapshot,
     MoeRecord,
     MtpRecord,
@@ -37,47 +36,33 @@ GroupsByRole = Mapping[str, dist.ProcessGroup]
 
 
 def _class_tracker_module() -> ModuleType | None:
-    """``megatron.core.transformer.moe.moe_logging`` (0.18+: ``MoEMetricsTracker``), or
+    """``megatron.core.transformer.moe.moe_logging`` where the installed release keeps MoE
+    metrics in ``MoEMetricsTracker`` (0.18+, ``class_tracker`` of `installed_features`), or
     ``None`` on 0.13-0.17, whose MoE tracker is the dict of ``moe_utils``."""
-    try:
-        return importlib.import_module("megatron.core.transformer.moe.moe_logging")
-    except ImportError:
+    if not installed_features().class_tracker:
         return None
+    return importlib.import_module("megatron.core.transformer.moe.moe_logging")
 
 
 moe_logging = _class_tracker_module()
 
 
 def legacy_tracker() -> bool:
-    """Whether the installed release keeps MoE metrics in 0.13-0.17's dict tracker (feature
-    detection: 0.18+ keep the dict functions as deprecated shims, so the new module decides)."""
-    return moe_logging is None
+    """Whether the installed release keeps MoE metrics in 0.13-0.17's dict tracker (the
+    package's ``class_tracker``; 0.18+ keep the dict functions as deprecated shims)."""
+    return not installed_features().class_tracker
 
 
 def legacy_has_dp_flag() -> bool:
     """Whether the legacy ``save_to_aux_losses_tracker`` takes ``reduce_group_has_dp``
-    (0.16/0.17)."""
-    try:
-        params = inspect.signature(moe_utils.save_to_aux_losses_tracker).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return "reduce_group_has_dp" in params
+    (0.16/0.17; the package's ``legacy_saver_has_dp_flag``)."""
+    return installed_features().legacy_saver_has_dp_flag
 
 
 def moe_dp_rule() -> DpRule:
-    """How the installed release's MoE reduction averages over data parallelism (see
-    `pipemetrics.sim.records.DpRule`), by feature: 0.18+ has ``moe_logging``; 0.16/0.17's
-    ``save_to_aux_losses_tracker`` takes ``reduce_group_has_dp``; 0.14/0.15's router has
-    ``attach_and_log_load_balancing_loss``; 0.13 has none of these."""
-    if not legacy_tracker():
-        return "needs_dp_avg"
-    if legacy_has_dp_flag():
-        return "after_reduce_group"
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    if hasattr(TopKRouter, "attach_and_log_load_balancing_loss"):
-        return "always_dp_cp"
-    return "none"
+    """How the installed release's MoE reduction averages over data parallelism (the package's
+    ``moe_dp_rule``, see `pipemetrics.sim.mcore.DpRule`)."""
+    return installed_features().moe_dp_rule
 
 
 def moe_tracker_entries() -> dict[str, tuple[torch.Tensor, Any, Any, bool]]:
@@ -177,14 +162,14 @@ def apply_moe_records(records: list[MoeRecord], groups: GroupsByRole) -> None:
 
 
 def mtp_counts_acceptance() -> bool:
-    """Whether the installed ``MTPLossLoggingHelper`` records acceptance counts.
+    """Whether the installed ``MTPLossLoggingHelper`` records acceptance counts (the package's
+    ``mtp_counts_acceptance``).
 
     megatron-core 0.19 has ``save_metrics_to_tracker(loss, correct, total, ...)`` (tracker keys
     ``loss_values``, ``correct_values``, ``total_values``); 0.18 has
-    ``save_loss_to_tracker(loss, ...)`` (key ``values``, no counts). Detected by feature, not by
-    version number.
+    ``save_loss_to_tracker(loss, ...)`` (key ``values``, no counts).
     """
-    return hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker")
+    return installed_features().mtp_counts_acceptance
 
 
 def save_mtp(

@@ -118,7 +118,7 @@ def record_mtp(
     default to 0 correct of 0 tokens; megatron-core 0.18 records no counts (they are dropped).
     Call it once per microbatch: the tracker adds up.
     """
-    from pipemetrics.sim.layout import installed_mtp_loss_avg_role
+    from pipemetrics.sim.mcore import installed_features
     from pipemetrics.sim.records import MtpRecord
     from pipemetrics.sim.trackers import apply_mtp_records, cpu_current_device
 
@@ -128,7 +128,7 @@ def record_mtp(
         if len(values) != n:
             raise ValueError(f"record_mtp: {what} has {len(values)} values for {n} MTP layers")
     world, groups = _current_world()
-    avg = installed_mtp_loss_avg_role() if world is not None else None
+    avg = installed_features().mtp_loss_avg_role if world is not None else None
     records = [
         MtpRecord(
             layer_number=k,

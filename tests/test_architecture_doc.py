@@ -17,17 +17,29 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 SECTION = re.compile(r"^## (\w+)/: ", re.MULTILINE)
 MODULE = re.compile(r"`(\w+\.py)`")
+NESTED = re.compile(r"`(?:\w+/)*(\w+\.py)`")
+"""A module named with its subpackage's path, as a subpackage's rows name theirs."""
 
 
 def packages() -> list[str]:
     """The folders pyproject.toml installs under ``pipemetrics``."""
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     block = text.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
-    return sorted(re.findall(r'^"pipemetrics\.\w+" = "(\w+)"$', block, re.MULTILINE))
+    return sorted(re.findall(r'^"pipemetrics\.[\w.]+" = "([\w/]+)"$', block, re.MULTILINE))
 
 
 def modules(folder: str) -> set[str]:
     return {p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py"}
+
+
+def tables_rows(folder: str) -> list[str]:
+    """The rows of ``folder``'s module table."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    for match in SECTION.finditer(text):
+        if match.group(1) == folder:
+            body = text[match.end() :].split("\n## ", 1)[0]
+            return [line for line in body.splitlines() if line.startswith("| `")]
+    return []
 
 
 def tables() -> dict[str, set[str]]:
@@ -51,12 +63,20 @@ def folder_row(folder: str) -> str:
 def test_every_installed_package_is_in_the_folder_table() -> None:
     assert packages(), "no package found in pyproject.toml"
     for folder in packages():
-        folder_row(folder)
+        if "/" not in folder:
+            folder_row(folder)
 
 
 @pytest.mark.parametrize("folder", packages())
 def test_the_module_table_matches_the_package(folder: str) -> None:
     present = modules(folder)
+    if "/" in folder:  # a subpackage: its row in the parent's table names each of its modules
+        parent, name = folder.split("/", 1)
+        rows = [r for r in tables_rows(parent) if r.startswith(f"| `{name}/")]
+        assert rows, f"ARCHITECTURE.md's {parent}/ table has no row for {name}/"
+        named = {m for r in rows for m in NESTED.findall(r)}
+        assert not present - named, f"{folder}/ modules not named in its row: {present - named}"
+        return
     table = tables().get(folder)
     if table is None:
         named = set(MODULE.findall(folder_row(folder)))

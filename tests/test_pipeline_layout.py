@@ -19,19 +19,16 @@ from typing import Any
 import pytest
 
 from pipemetrics.sim.layout import (
-    MTP_ON_THE_LAST_STAGE,
     LayoutSplit,
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_layout_keeps_mtp_last,
-    installed_layout_takes_mtp,
-    installed_mtp_router_numbering,
 )
+from pipemetrics.sim.mcore import MTP_ON_THE_LAST_STAGE, installed_features
 from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 
 NEEDS_STANDALONE_MTP = pytest.mark.skipif(
-    installed_layout_keeps_mtp_last(),
+    installed_features().layout_keeps_mtp_last,
     reason="needs a standalone MTP stage (MTP layers on a stage that is not the last, 'Et|tm|L'), "
     "which the installed megatron-core's PipelineParallelLayerLayout refuses (0.15: MTP layers "
     "must be in the last stage)",
@@ -72,7 +69,7 @@ def megatron_outcome(cls: Any, parallel_state: Any, text: str, pp: int, n: int, 
         standalone = layout.validate_layer_layout(n, m)
     except AssertionError as exc:
         return ("refused", str(exc))
-    if standalone is None and installed_layout_keeps_mtp_last():
+    if standalone is None and installed_features().layout_keeps_mtp_last:
         standalone = False  # 0.15 returns nothing: every layout it accepts keeps MTP last
     vpp = layout.virtual_pipeline_model_parallel_size
     parallel_state.set_virtual_pipeline_model_parallel_world_size(vpp if vpp > 1 else None)
@@ -176,7 +173,7 @@ def test_standalone_mtp_routers_and_the_loss_tracker_live_on_different_stages() 
     assert setup.mtp_stage == 1 and setup.mtp_layers_on_stage(1) == [1]
     # the MTP layer's router: slot num_layers + 1, or on megatron-core 0.13-0.15 the slot of
     # its chunk's first decoder layer (layer 2)
-    legacy = installed_mtp_router_numbering() == "default_layer_number"
+    legacy = installed_features().mtp_router_numbering == "default_layer_number"
     assert setup.router_slots(1) == [2, 2 if legacy else 3]
     assert [setup.records_mtp_loss(s) for s in range(3)] == [False, False, True]
     assert not setup.records_moe(2)  # the loss-only stage holds no router
@@ -210,7 +207,7 @@ def test_layout_mtp_support_read_without_megatron_matches_the_class() -> None:
     )
 
     takes = inspect.signature(PipelineParallelLayerLayout.validate_layer_layout).parameters
-    assert installed_layout_takes_mtp() == ("mtp_num_layers" in takes)
+    assert installed_features().layout_takes_mtp == ("mtp_num_layers" in takes)
 
 
 def test_mtp_outside_the_last_stage_read_without_megatron_matches_the_class() -> None:
@@ -221,14 +218,14 @@ def test_mtp_outside_the_last_stage_read_without_megatron_matches_the_class() ->
         PipelineParallelLayerLayout,
     )
 
-    if not installed_layout_takes_mtp():
+    if not installed_features().layout_takes_mtp:
         pytest.skip("the installed megatron-core refuses MTP layers in any layout (0.13)")
     try:
         PipelineParallelLayerLayout("Et|tm|L", 3).validate_layer_layout(2, 1)
         refused = None
     except AssertionError as exc:
         refused = str(exc)
-    assert installed_layout_keeps_mtp_last() == (refused == MTP_ON_THE_LAST_STAGE), refused
+    assert installed_features().layout_keeps_mtp_last == (refused == MTP_ON_THE_LAST_STAGE), refused
     assert refused in (None, MTP_ON_THE_LAST_STAGE)
     ours = pytest.raises(LayoutError, match=MTP_ON_THE_LAST_STAGE) if refused else None
     with ours or contextlib.nullcontext():

@@ -17,7 +17,7 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.layout import installed_layout_takes_mtp, installed_mtp_router_numbering
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
@@ -28,7 +28,9 @@ from .test_properties_runner import check
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
 #: counts (megatron-core 0.18) there is no rate to get wrong, so they cannot fail there.
-ACCEPTANCE_MUTANTS = frozenset({"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total"})
+ACCEPTANCE_MUTANTS = frozenset(
+    {"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}
+)
 _NO_COUNTS = pytest.mark.skipif(
     not mtp_counts_acceptance(),
     reason="the installed megatron-core's MTP tracker has no acceptance counts (0.18): "
@@ -96,11 +98,14 @@ def mutant_param(name: str) -> Any:
         marks.append(_NO_COUNTS)
     if name in NEEDS_TO_SHOW:
         marks.append(pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
-    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_layout_takes_mtp():
+    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_features().layout_takes_mtp:
         marks.append(pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
     if name in NEEDS_STANDALONE_MTP:
         marks.append(STANDALONE_MTP_REFUSED)  # a skipif: skips where the layout refuses it
-    if name in NEEDS_MTP_SLOTS and installed_mtp_router_numbering() == "default_layer_number":
+    if (
+        name in NEEDS_MTP_SLOTS
+        and installed_features().mtp_router_numbering == "default_layer_number"
+    ):
         marks.append(pytest.mark.skip(reason=NO_MTP_SLOTS))
     return pytest.param(name, marks=marks)
 

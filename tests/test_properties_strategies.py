@@ -21,17 +21,14 @@ from pipemetrics.properties.reachable import (
     tracker_violations,
 )
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
-from pipemetrics.properties.synthetic import step_records
+from pipemetrics.properties.synthetic import masked_mtp_layers, step_records
 from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall
 from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_mtp_loss_avg_role,
-    installed_mtp_router_numbering,
-    installed_router_routing,
-    installed_seq_aux_loss_name,
 )
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.records import (
     MoeRecord,
@@ -138,12 +135,14 @@ def test_synthetic_records_draw_only_what_the_installed_router_records(
 ) -> None:
     setup = data.draw(s.setups(CI))
     records = data.draw(s.synthetic_records(setup))
-    assert installed_router_routing().refusal(setup.layout) is None  # routing it runs
+    assert installed_features().routing.refusal(setup.layout) is None  # routing it runs
     names = {r.name for recs in records.moe.values() for r in recs}
     assert names <= set(setup.layout.recorded_track_names)
-    if installed_seq_aux_loss_name() != SEQ:  # 0.13 logs seq-aux as load_balancing_loss
+    if installed_features().seq_aux_loss_name != SEQ:  # 0.13 logs seq-aux as load_balancing_loss
         assert SEQ not in names
-    assert {m.avg for recs in records.mtp.values() for m in recs} <= {installed_mtp_loss_avg_role()}
+    assert {m.avg for recs in records.mtp.values() for m in recs} <= {
+        installed_features().mtp_loss_avg_role
+    }
 
 
 def _other[T](options: set[T], installed: T) -> T:
@@ -166,9 +165,11 @@ def test_the_reachability_model_follows_the_installed_release() -> None:
     good = step_records(setup, lambda *_: 1.0, lambda *_: (1.0, 1.0, 2.0))
     assert tracker_violations(setup, places, recorded_snapshots(places, good)) == []
     ((name, reduce),) = {(r.name, r.reduce) for recs in good.moe.values() for r in recs}
-    assert name == installed_seq_aux_loss_name()
+    assert name == installed_features().seq_aux_loss_name
     mtp_slot = setup.mtp_router_slot(1)
-    assert mtp_slot == (1 if installed_mtp_router_numbering() == "default_layer_number" else 3)
+    assert mtp_slot == (
+        1 if installed_features().mtp_router_numbering == "default_layer_number" else 3
+    )
 
     def moe(update: dict[str, object], *, mtp_router_only: bool = False) -> StepRecords:
         """``good`` with ``update`` applied to every MoE record (or only to the last of each
@@ -187,7 +188,7 @@ def test_the_reachability_model_follows_the_installed_release() -> None:
             }
         )
 
-    other_avg = _other({"tp_cp", "dp_cp"}, installed_mtp_loss_avg_role())
+    other_avg = _other({"tp_cp", "dp_cp"}, installed_features().mtp_loss_avg_role)
     bad = {
         "the other seq-aux name": moe({"name": _other({SEQ, LBL}, name)}),
         "the other MTP router slot": moe(
@@ -211,7 +212,7 @@ def test_routing_the_installed_router_cannot_run_reaches_no_state() -> None:
     layout = ModelLayout(
         num_layers=1, routing_type=["aux_loss", "global_aux_loss"], aux_loss_coeff=[0.1, 0.1]
     )
-    routing = installed_router_routing()
+    routing = installed_features().routing
     runs = routing.type_lists and routing.global_aux_loss  # 0.15+
     assert (routing_violations(Setup(layout=layout)) == []) == runs
 
@@ -227,7 +228,7 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
     def record(name: str, slot: int, value: float) -> MoeRecord:  # the installed router's groups
         return router_record(name, slot, value, 3, recorded_reduction(setup.world))
 
-    avg = installed_mtp_loss_avg_role()
+    avg = installed_features().mtp_loss_avg_role
     dev = installed_mtp_layout() == "loss_sums"  # dev's training path: a loss sum and its tokens
     mtp = [
         MtpRecord(layer_number=0, num_layers=1, loss=3.0 if dev else 1.0, correct=2.0,
@@ -308,7 +309,7 @@ RARE_SETUPS = {
 
 @pytest.mark.parametrize("name", sorted(RARE_SETUPS))
 def test_rare_layouts_are_generated(name: str) -> None:
-    if name == "routing_list" and not installed_router_routing().type_lists:
+    if name == "routing_list" and not installed_features().routing.type_lists:
         pytest.skip("the installed megatron-core's router takes no list of routing types")
     found = find(s.setups(CI), RARE_SETUPS[name], settings=FIND)
     assert RARE_SETUPS[name](found)
@@ -357,3 +358,38 @@ def test_strict_generates_every_argument_form(form: str) -> None:
 def test_seed_generates_only_documented_forms_where_a_stage_lacks_moe(scenario: Scenario) -> None:
     if not s.every_rank_records_every_name(scenario.setup):
         assert not {"num_layers=None", "track_names=None"} & set(features(scenario))
+
+
+def _masked_layer(scenario: Scenario) -> bool:
+    """Whether some step's MTP layer has 0 tokens on every rank that records MTP (all
+    positions masked: loss 0, 0 correct of 0), with more than one rank holding it."""
+    for step in scenario.steps:
+        mtp = step.records.mtp if step.records is not None else {}
+        if len(mtp) < 2:
+            continue
+        for layer in range(scenario.setup.layout.mtp_num_layers):
+            mine = [r for records in mtp.values() for r in records if r.layer_number == layer]
+            if mine and all(r.total == 0 and r.correct == 0 and r.loss == 0 for r in mine):
+                return True
+    return False
+
+
+def test_mtp_acceptance_scenarios_mask_whole_layers_where_megatron_counts_tokens() -> None:
+    """The mtp.acceptance_rate generator draws MTP layers whose positions are all masked on
+    every rank (what process_mtp_loss records as loss 0, 0 of 0 tokens) where the installed
+    tracker records token counts; elsewhere no layer is masked on purpose."""
+    masked = s.mtp_scenarios(CI, "seed", scale_one=False, masked_mtp=True)
+    if installed_features().mtp_counts_acceptance:
+        assert _masked_layer(find(masked, _masked_layer, settings=FIND))
+    else:
+        setup = find(s.setups(CI, min_mtp=1), lambda _: True)
+        assert find(masked_mtp_layers(setup), lambda _: True) == frozenset()
+
+
+@FAST
+@given(st.data())
+def test_masked_mtp_layers_stay_reachable(data: st.DataObject) -> None:
+    setup = data.draw(s.setups(CI, min_mtp=1))
+    records = data.draw(s.synthetic_records(setup, masked_mtp=True))
+    places = places_for(setup.world)
+    assert tracker_violations(setup, places, recorded_snapshots(places, records)) == []

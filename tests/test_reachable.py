@@ -22,8 +22,8 @@ from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_router_routing,
 )
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import TrackerSnapshot
 from pipemetrics.sim.scenario import Scenario, Step
 from pipemetrics.sim.trackers import moe_dp_rule, mtp_counts_acceptance
@@ -70,8 +70,8 @@ def first_snapshots(run: WorldRun) -> dict[int, TrackerSnapshot]:
 
 def _router_runs(setup: Setup) -> str | None:
     """Why the installed megatron-core's ``TopKRouter`` cannot run ``setup``'s routing types
-    (``None``: it can), read from its source (`installed_router_routing`)."""
-    return installed_router_routing().refusal(setup.layout)
+    (``None``: it can), read from its source (``routing`` of `installed_features`)."""
+    return installed_features().routing.refusal(setup.layout)
 
 
 def _router_param(name: str) -> object:

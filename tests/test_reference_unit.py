@@ -30,7 +30,7 @@ from pipemetrics.reference import (
     get_mtp_metrics,
 )
 from pipemetrics.reference import megatron_common as mc
-from pipemetrics.sim.layout import installed_router_averages_z_loss
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import MoeRecord
 from pipemetrics.sim.trackers import apply_moe_records, legacy_has_dp_flag, legacy_tracker
 
@@ -515,7 +515,7 @@ def test_plan_union_lengths_and_canonical() -> None:
     assert lengths == {AUX: 3, Z: 4}
     assert settings[AUX] == _meta(2)
     # nobody recorded z_loss: the installed router's groups
-    z_avg = ("kind", "tensor_data_context") if installed_router_averages_z_loss() else None
+    z_avg = ("kind", "tensor_data_context") if installed_features().router_averages_z_loss else None
     assert settings[Z].avg == z_avg
     assert settings[Z].reduce is None
 

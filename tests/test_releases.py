@@ -1,5 +1,6 @@
-"""The supported megatron-core releases (0.13-0.19): what differs between them, held on the one
-installed. ``ci/noxfile.py`` runs this module under every release; ``.ci/run`` under the oldest.
+"""The supported megatron-core releases (0.13-0.19, and main's 0.20.0 snapshot): what differs
+between them, held on the one installed. ``ci/noxfile.py`` runs this module under every release;
+``.ci/run`` under the oldest.
 
 * On every release: the reference in real gloo worlds, judged by the oracle from the snapshots
   (which record the release's DP rule), including the steady state; the reference against
@@ -48,6 +49,7 @@ RELEASE_DP_RULE = {
     (0, 17): "after_reduce_group",
     (0, 18): "needs_dp_avg",
     (0, 19): "needs_dp_avg",
+    (0, 20): "needs_dp_avg",  # megatron-core main (git snapshot, package_info 0.20.0)
 }
 
 

@@ -7,6 +7,7 @@ simulator's own tests; here only what one rank can show honestly.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import math
 import textwrap
@@ -18,6 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.transformer import multi_token_prediction
+from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
@@ -26,14 +29,8 @@ from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_mtp_loss_avg_role,
-    installed_mtp_router_numbering,
-    installed_router_averages_z_loss,
-    installed_router_routing,
-    installed_router_skips_lone_reduce_group,
-    installed_seq_aux_loss_name,
-    installed_tracker_keeps_dp_flag,
 )
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
     installed_mtp_layout,
@@ -44,15 +41,10 @@ from pipemetrics.sim.records import recorded_reduction
 from pipemetrics.sim.router_fill import (
     RouterStage,
     mtp_loss_avg_group,
-    mtp_router_numbering,
-    router_runs_global_aux_loss,
-    router_takes_type_lists,
     unsupported_routing,
 )
 from pipemetrics.sim.trackers import (
     cpu_current_device,
-    legacy_has_dp_flag,
-    legacy_tracker,
     moe_tracker_entries,
     mtp_counts_acceptance,
     reset_trackers,
@@ -229,24 +221,30 @@ def test_seq_aux_loss_name_per_release(fresh: None) -> None:
     RouterStage(Setup(layout=layout), 0, seed=4).forward_microbatch(0)
     name = "seq_load_balancing_loss" if RELEASE >= (0, 14) else "load_balancing_loss"
     assert list(_entries()) == [name] == layout.recorded_track_names
-    assert installed_seq_aux_loss_name() == name
+    assert installed_features().seq_aux_loss_name == name
     assert _nonzero_slots(_entries()[name][0]) == [1, 2]
 
 
 def test_router_features_read_without_megatron_match_the_class() -> None:
-    # the controller draws router scenarios from the source text; ranks check the class
-    assert installed_router_routing() == (router_takes_type_lists(), router_runs_global_aux_loss())
-    assert router_takes_type_lists() == (RELEASE >= (0, 14))
-    assert router_runs_global_aux_loss() == (RELEASE >= (0, 15))
+    # the package reads the source text; the imported class must have what it read
+    routing = installed_features().routing
+    assert routing.type_lists == hasattr(TopKRouter, "get_aux_loss_coeff") == (RELEASE >= (0, 14))
+    assert routing.global_aux_loss == hasattr(TopKRouter, "_apply_global_aux_loss")
+    assert routing.global_aux_loss == (RELEASE >= (0, 15))
     # z_loss's groups: the controller reads the source, the reference the imported class
-    assert installed_router_averages_z_loss() == Z_LOSS_AVG_OVER_TP_DP_CP
+    assert installed_features().router_averages_z_loss == Z_LOSS_AVG_OVER_TP_DP_CP
     z_loss_avg = megatron_common._router_canonical()["z_loss"][1]
     assert (z_loss_avg is not None) == Z_LOSS_AVG_OVER_TP_DP_CP
     # 0.13 passes the tensor+context group only when it has more than one rank
-    assert installed_router_skips_lone_reduce_group() == (RELEASE < (0, 14))
+    assert installed_features().router_skips_lone_reduce_group == (RELEASE < (0, 14))
     # a per-entry data-parallel setting: 0.16/0.17's reduce_group_has_dp, 0.18+'s MetricEntry
-    assert installed_tracker_keeps_dp_flag() == (not legacy_tracker() or legacy_has_dp_flag())
-    assert installed_tracker_keeps_dp_flag() == (RELEASE >= (0, 16))
+    class_tracker = importlib.util.find_spec("megatron.core.transformer.moe.moe_logging")
+    saver = inspect.signature(moe_utils.save_to_aux_losses_tracker).parameters
+    assert installed_features().class_tracker == (class_tracker is not None)
+    assert installed_features().tracker_keeps_dp_flag == (
+        class_tracker is not None or "reduce_group_has_dp" in saver
+    )
+    assert installed_features().tracker_keeps_dp_flag == (RELEASE >= (0, 16))
 
 
 def test_mtp_tracker_features_read_without_megatron_match_the_classes() -> None:
@@ -261,11 +259,20 @@ def test_mtp_tracker_features_read_without_megatron_match_the_classes() -> None:
 
 def test_mtp_features_read_without_megatron_match_the_classes(world: None) -> None:
     # the reachability model and the generators read the source; router mode the classes
-    assert installed_mtp_router_numbering() == mtp_router_numbering()
-    assert (installed_mtp_router_numbering() == "default_layer_number") == (
+    router = inspect.signature(TopKRouter.__init__).parameters
+    offset = inspect.signature(multi_token_prediction.get_mtp_layer_offset).parameters
+    by_class = (
+        "router_adds_num_layers"
+        if "is_mtp_layer" in router
+        else "layer_passes_global"
+        if "vp_stage" in offset
+        else "default_layer_number"
+    )
+    assert installed_features().mtp_router_numbering == by_class
+    assert (installed_features().mtp_router_numbering == "default_layer_number") == (
         MTP_ROUTER_IN_DECODER_SLOT
     )
-    role = installed_mtp_loss_avg_role()
+    role = installed_features().mtp_loss_avg_role
     assert role == ("tp_cp" if RELEASE < (0, 14) else "dp_cp")
     group = {
         "tp_cp": parallel_state.get_tensor_and_context_parallel_group(),

@@ -25,8 +25,8 @@ from pipemetrics.sim.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
-    installed_router_routing,
 )
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.scenario import Scenario, Step, save_scenario
@@ -240,7 +240,7 @@ def test_reference_clean_over_random_router_layouts(pool: TrackingPool) -> None:
     # The types the installed router runs (global_aux_loss: 0.15+); the same list, so the same
     # draws, where it runs all three.
     routing_types = ["aux_loss", "seq_aux_loss", "global_aux_loss"]
-    if not installed_router_routing().global_aux_loss:
+    if not installed_features().routing.global_aux_loss:
         routing_types.remove("global_aux_loss")
     for _ in range(6):
         world = rng.choice(shapes)
@@ -309,6 +309,7 @@ import signal, sys, time
 # shell, some CI runners): this controller must see it whatever started the test run
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.world import World, _forkserver_directory
 world = World(WorldSpec(pp=2)).start()
 print(" ".join(map(str, world.pids)), world.directory, *_forkserver_directory(), flush=True)

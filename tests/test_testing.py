@@ -23,7 +23,8 @@ from typing import TypedDict
 
 import pytest
 
-from pipemetrics.sim.layout import WorldSpec, installed_mtp_loss_avg_role
+from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import recorded_reduction
 from pipemetrics.sim.trackers import moe_tracker_entries, mtp_counts_acceptance
 from pipemetrics.testing import (
@@ -177,7 +178,7 @@ def test_record_mtp_records_as_the_mtp_layer_does() -> None:
             assert set(values) == {"loss"}
         snapshot = tracker_snapshot().mtp
         assert snapshot is not None and snapshot.avg_group == (0,)
-        assert installed_mtp_loss_avg_role() in ("dp_cp", "tp_cp")
+        assert installed_features().mtp_loss_avg_role in ("dp_cp", "tp_cp")
     with pytest.raises(ValueError, match="total has 1 values for 2 MTP layers"):
         record_mtp([0.5, 0.25], total=[1.0])
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.sim.layout import installed_router_averages_z_loss
+from pipemetrics.sim.mcore import installed_features
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 from .test_megatron_core_findings import FINDINGS, HERE, Finding
@@ -65,7 +65,7 @@ RANKS = 4
 
 INSTALLED = metadata.version("megatron-core")
 PATCH = PATCHES.get(".".join(INSTALLED.split(".")[:2]))
-Z_LOSS_AVERAGED = installed_router_averages_z_loss()
+Z_LOSS_AVERAGED = installed_features().router_averages_z_loss
 needs_patchable_release = pytest.mark.skipif(
     PATCH is None or not Z_LOSS_AVERAGED,
     reason=f"megatron-core {INSTALLED} is installed, and its router records z_loss "

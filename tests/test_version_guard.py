@@ -52,12 +52,13 @@ def test_installed_version_is_tested_and_imports_silently() -> None:
         warnings.simplefilter("error")
         module = exec_reference()
     assert callable(module.get_moe_metrics)
-    assert module.SUPPORTED_MEGATRON_CORE == ">=0.13,<0.20"
+    assert module.SUPPORTED_MEGATRON_CORE == ">=0.13,<0.21"
     assert module._is_tested(metadata.version("megatron-core"))
 
 
 @pytest.mark.parametrize(
-    "found", ["0.13.1", "0.15.3", "0.17.1", "0.18.2", "0.19.0", "0.19.2+abc123", "0.18.0rc1"]
+    "found",
+    ["0.13.1", "0.15.3", "0.17.1", "0.18.2", "0.19.0", "0.19.2+abc123", "0.18.0rc1", "0.20.0"],
 )
 def test_tested_versions_import_without_a_warning(
     monkeypatch: pytest.MonkeyPatch, found: str
@@ -69,7 +70,7 @@ def test_tested_versions_import_without_a_warning(
 
 
 @pytest.mark.parametrize(
-    "found", ["0.20.0", "0.20.0rc0", "0.21.0.dev0+g1a2b3c", "1.0.0", "garbage", "0.12.3"]
+    "found", ["0.21.0", "0.21.0rc0", "0.22.0.dev0+g1a2b3c", "1.0.0", "garbage", "0.12.3"]
 )
 def test_an_untested_version_with_every_api_warns_once_and_carries_on(
     monkeypatch: pytest.MonkeyPatch, found: str
@@ -84,7 +85,7 @@ def test_an_untested_version_with_every_api_warns_once_and_carries_on(
     untested = [w for w in seen if type(w.message).__name__ == "UntestedMegatronCoreWarning"]
     assert len(untested) == 1, [str(w.message) for w in seen]
     assert str(untested[0].message).startswith(
-        f"pipemetrics reference is tested with megatron-core >=0.13,<0.20; found {found}"
+        f"pipemetrics reference is tested with megatron-core >=0.13,<0.21; found {found}"
     )
 
 
@@ -101,8 +102,8 @@ def test_version_falls_back_to_package_info(monkeypatch: pytest.MonkeyPatch) -> 
     from megatron.core import package_info
 
     monkeypatch.setattr(metadata, "version", fake_version(None))
-    monkeypatch.setattr(package_info, "__version__", "0.20.1")
-    with pytest.warns(UserWarning, match=re.escape("found 0.20.1")):
+    monkeypatch.setattr(package_info, "__version__", "0.21.1")
+    with pytest.warns(UserWarning, match=re.escape("found 0.21.1")):
         exec_reference()
     monkeypatch.setattr(package_info, "__version__", "0.19.2")
     with warnings.catch_warnings():

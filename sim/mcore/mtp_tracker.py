@@ -23,7 +23,8 @@ import ast
 from functools import cache
 from typing import Literal
 
-from pipemetrics.sim.layout import _definition, _parameters
+from pipemetrics.sim.mcore.source import definition as _definition
+from pipemetrics.sim.mcore.source import parameters as _parameters
 
 MtpLayout = Literal["loss_sums", "loss_values", "values"]
 """The key that marks an MTP tracker layout (see the module doc)."""

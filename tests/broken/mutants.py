@@ -435,6 +435,26 @@ _MUTANTS: list[Mutant] = [
         sim_verdict=None,
     ),
     Mutant(
+        name="mtp_empty_layer_rate_hundred",
+        description=(
+            "A layer whose positions were all masked (0 tokens: nothing predicted, so nothing "
+            "predicted wrong) reports an acceptance rate of 100 instead of Megatron's clamped "
+            "100 * 0 / max(0, 1) = 0. Scenario: an MTP layer with 0 tokens on every rank of its "
+            "group in a step (the masked layers of the mtp.acceptance_rate generator, prove's "
+            "counts family)."
+        ),
+        edits=(
+            (
+                "rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)",
+                "rate = 100.0 * float(corrects[i]) / float(totals[i]) if float(totals[i]) "
+                "else 100.0",
+            ),
+        ),
+        fails=("mtp.acceptance_rate",),
+        functions=("get_mtp_metrics",),
+        sim_verdict=None,
+    ),
+    Mutant(
         name="moe_tracker_not_cleared",
         description=(
             "get_moe_metrics does not clear the tracker afterwards, so the next step reports "

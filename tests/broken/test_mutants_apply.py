@@ -440,6 +440,11 @@ def _mtp_rate_zero_total(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     return _values(m.get_mtp_metrics(1.0), "_acceptance_rate")
 
 
+def _mtp_rate_empty_layer(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    set_mtp_tracker([0.0, 4.0], [0.0, 1.0], [0.0, 4.0])  # layer 1 masked: loss 0, 0 of 0
+    return _values(m.get_mtp_metrics(1.0), "_acceptance_rate")
+
+
 def _two_steps(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
     totals: dict[str, Any] = {}
     _record(AUX, [2.0, 4.0])
@@ -782,6 +787,8 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [0.0, 100.0, 25.0],
         ["nan", 100.0, 25.0],
     ),
+    # a layer without tokens (0 of 0): Megatron's clamp gives 0; the mutant's "nothing wrong"
+    "mtp_empty_layer_rate_hundred": (_mtp_rate_empty_layer, [0.0, 25.0], [100.0, 25.0]),
     "moe_tracker_not_cleared": (
         _two_steps,
         (3.0, 1.0, 4.0, [0.0, 0.0]),
@@ -940,6 +947,8 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
         frozenset({"moe_tracker_not_cleared", "moe_total_loss_overwritten"}),
         # Both refuse a 0-d tensor; only the exact type check also refuses a numpy float64.
         frozenset({"moe_loss_scale_tensor_rejected", "moe_loss_scale_exact_float_type"}),
+        # Both change the rate of a layer with total 0: nan (unclamped) and 100 (empty layer).
+        frozenset({"mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}),
         # The rank-0 situation lists the collectives each rank enters, the agreement one too.
         frozenset({"moe_raises_on_rank0", "moe_steady_state_decided_locally"}),
     }
