@@ -297,7 +297,12 @@ def snapshot_dp_rule(snapshots: Mapping[int, TrackerSnapshot]) -> DpRule:
 
 
 def name_metrics(name: str, values: Sequence[float], call: MoeCall) -> dict[str, float]:
-    """The keys one rank reports for one name: the scaled mean, then optional per-layer values."""
+    """The keys one rank reports for one name: the scaled mean, then optional per-layer values.
+
+    The mean's denominator is ``call.num_moe_layers`` when given (the megatron profile: what
+    megatron-core main's ``report(num_moe_layers=...)`` divides by, and what 0.18/0.19's
+    ``_count_moe_layers`` counts), else the vector's length (the seed profile). A call never
+    carries a count below 1 (`MoeCall`), where main's ``report()`` raises."""
     denominator = call.num_moe_layers if call.num_moe_layers is not None else len(values)
     if denominator == 0:
         raise ValueError(f"{name}: an empty vector has no mean")
@@ -425,8 +430,11 @@ def reduced_mtp_vectors(holders: Mapping[int, MtpSnapshot]) -> tuple[Vectors, Ve
 
 
 def acceptance_rate(correct: float, total: float) -> float:
-    """``100 * correct / max(total, 1)`` (Megatron's ``track_mtp_metrics``; counts are whole
-    tokens with correct <= total, so the rate lies in [0, 100])."""
+    """``100 * correct / max(total, 1)`` (Megatron's ``track_mtp_metrics`` on 0.19+ and main,
+    ``mtp_rate_clamps_total`` of `pipemetrics.sim.mcore`: "Empty masks can leave no valid MTP
+    positions, so clamp denominators to avoid NaNs"), so a layer without valid positions (0 of
+    0 tokens) has rate 0; counts are whole tokens with correct <= total, so the rate lies in
+    [0, 100]."""
     return 100.0 * correct / max(total, 1.0)
 
 
