@@ -8,8 +8,8 @@
 ``git(branch=...)`` runs the suite under megatron-core from a git branch: pipemetrics with its
 pinned dependencies, then the snapshot archive ``megatron-core-<branch>-<commit>.tar.gz`` from
 ``$PIPEMETRICS_MEGATRON_GIT`` (default ``../shared/megatron-core-git``, beside the checkout)
-installed over it without dependencies (its version, 0.20.0 on main, is outside pipemetrics'
-declared range). The session skips, saying where it looked, when no archive is there.
+installed over it without dependencies (pip would otherwise replace torch and check the
+snapshot's version against pipemetrics' declared range). The session skips, saying where it looked, when no archive is there.
 
 ``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub
 workflow runs it on a schedule. torch stays at the pinned default in every session, so the only
@@ -29,7 +29,8 @@ import nox
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "ci" / "constraints.txt"
 #: Every supported minor release, oldest first (the range is SUPPORTED_MEGATRON_CORE in the
-#: reference, ``megatron-core>=0.13,<0.20`` in pyproject.toml): the newest patch of each minor on
+#: reference, ``megatron-core>=0.13,<0.21`` in pyproject.toml; 0.20 is megatron-core's main branch, run by
+#: the git sessions): the newest patch of each minor on
 #: PyPI. Push CI (``.ci/run``) runs the whole suite on the oldest (and the newest, the pinned
 #: default, outside nox); the weekly workflow runs all.
 MEGATRON_CORE = ["0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
