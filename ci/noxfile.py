@@ -28,11 +28,11 @@ import nox
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "ci" / "constraints.txt"
-#: Every supported minor release, oldest first (the range is SUPPORTED_MEGATRON_CORE in the
-#: reference, ``megatron-core>=0.13,<0.21`` in pyproject.toml; 0.20 is megatron-core's main branch, run by
-#: the git sessions): the newest patch of each minor on
-#: PyPI. Push CI (``.ci/run``) runs the whole suite on the oldest (and the newest, the pinned
-#: default, outside nox); the weekly workflow runs all.
+#: Every supported minor release on PyPI, oldest first, the newest patch of each (the range is
+#: SUPPORTED_MEGATRON_CORE in the reference, ``megatron-core>=0.13,<0.21`` in pyproject.toml;
+#: 0.20 is megatron-core's main branch, which the git sessions run). Push CI (``.ci/run``) runs
+#: the suite on the oldest (and the newest, the pinned default, outside nox); the weekly
+#: workflow runs all.
 MEGATRON_CORE = ["0.13.1", "0.14.0", "0.15.3", "0.16.1", "0.17.1", "0.18.2", "0.19.2"]
 OLDEST = MEGATRON_CORE[0]
 #: Megatron-LM branches whose snapshots ``git(branch=...)`` installs.

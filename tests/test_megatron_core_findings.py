@@ -28,12 +28,8 @@ import pytest
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.calls import MoeCall
-from pipemetrics.sim.layout import (
-    ModelLayout,
-    Setup,
-    WorldSpec,
-    installed_router_averages_z_loss,
-)
+from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.records import router_record as rec
 from pipemetrics.sim.scenario import Scenario, Step, load_scenario, save_scenario
@@ -48,7 +44,7 @@ DEADLINE_S = 60.0
 #: megatron-core 0.18's and dev's routers record z_loss with MetricEntry's defaults, so the
 #: entries that force_initialize creates agree with it there: the z_loss finding is 0.19's (and
 #: main's). Read from the router's code (dev's version string says 0.19).
-Z_LOSS_AVERAGED = installed_router_averages_z_loss()
+Z_LOSS_AVERAGED = installed_features().router_averages_z_loss
 
 
 @dataclass(frozen=True)
