@@ -25,7 +25,10 @@ import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.reference.megatron_common import get_moe_metrics_tracker
-from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_layout,
+    installed_z_loss_nan_at_zero_coeff,
+)
 from pipemetrics.sim.records import MoeRecord
 from pipemetrics.sim.trackers import (
     apply_moe_records,
@@ -77,6 +80,12 @@ if not hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker"):
         "installed megatron-core"
     )
     NEEDS_TO_SHOW.update(NEEDS_TO_RUN)
+if not installed_z_loss_nan_at_zero_coeff():
+    NEEDS_TO_SHOW["moe_nan_mean_zeroed"] = (
+        "its bug hides a NaN mean, which the router records for z_loss at moe_z_loss_coeff=0.0 "
+        "(z_loss / coeff); the installed router records the plain mean there (megatron-core "
+        "dev), so no reachable state holds a NaN"
+    )
 if installed_mtp_layout() != "loss_sums":
     NEEDS_TO_SHOW["mtp_nemo_rl_reads_loss_values_only"] = (
         "NeMo-RL's copy reads tracker['loss_values']; its bug shows where the training path "
