@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
@@ -59,10 +60,15 @@ def test_run_locally_catches_the_planted_bug(tmp_path: Path, bounds: Bounds) -> 
     assert "deadlock" in no_hang["message"], no_hang["message"]
     assert no_hang["counterexample"] is not None
     assert no_hang["replay"] and "pipemetrics replay" in no_hang["replay"]
-    # the toy defines only the two tracker helpers; its MTP helper is correct (it is written
-    # against megatron-core 0.19's MTP tracker, so with 0.18 it reports nothing: not checked)
+    # the toy defines only the two tracker helpers; its MTP helper is written against
+    # megatron-core 0.19's MTP tracker (loss_values): correct there; with 0.18 it reports
+    # nothing (not checked); on megatron-core dev, whose training path writes loss_sums, its
+    # MTP metrics go missing, and the suite says so
     assert by_id["broadcast.roundtrip"]["status"] == "absent"
-    if mtp_counts_acceptance():
+    if installed_mtp_layout() == "loss_sums":
+        assert by_id["mtp.keys"]["status"] == "fail", by_id["mtp.keys"]
+        assert "went missing" in by_id["mtp.keys"]["message"], by_id["mtp.keys"]["message"]
+    elif mtp_counts_acceptance():
         assert by_id["mtp.keys"]["status"] == "pass"
     # artifacts the action uploads, and the job summary it writes
     assert (out / "pipemetrics.xml").is_file()
