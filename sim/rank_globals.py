@@ -27,6 +27,8 @@ from typing import Any
 import torch.distributed.distributed_c10d as c10d
 from megatron.core import parallel_state
 
+from pipemetrics.sim.mcore import installed_features
+
 _C10D_STATE = (
     "_pg_map",
     "_pg_names",
@@ -57,11 +59,9 @@ def rank_slots() -> list[Slot]:
         and not callable(value)
         and not isinstance(value, types.ModuleType)
     ]
-    try:
+    if installed_features().class_tracker:  # before 0.18 the tracker is in parallel_state
         from megatron.core.transformer.moe import moe_logging
-    except ImportError:  # releases before 0.18 keep the tracker in parallel_state
-        pass
-    else:
+
         slots += [(moe_logging, n) for n in ("_MOE_METRICS_TRACKER",) if hasattr(moe_logging, n)]
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
