@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_demo_arguments(demo)
     bench = sub.add_parser(
-        "bench", help="throughput, scaling, hang verdicts and per-call cost, side by side"
+        "bench", help="throughput, scaling, hang detection and per-call cost, side by side"
     )
     add_bench_arguments(bench)
     prove = sub.add_parser(

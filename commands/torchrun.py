@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.coordinator import Outcome
 from pipemetrics.sim.protocol import Done, RunMode, Task
 from pipemetrics.sim.rank import RankServer, join_world
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
@@ -43,13 +43,13 @@ def _arm_deadline(seconds: float) -> threading.Timer:
     return timer
 
 
-def _verdict(done: list[Done]) -> Verdict:
+def _outcome(done: list[Done]) -> Outcome:
     faults = [d for d in done if d.harness_error is not None]
     if faults:
         err = faults[0].harness_error
         assert err is not None
-        return Verdict(kind="harness_error", message=f"rank {faults[0].rank}: {err.message}")
-    return Verdict(
+        return Outcome(kind="harness_error", message=f"rank {faults[0].rank}: {err.message}")
+    return Outcome(
         kind="ok",
         message="every rank returned (raw mode under torchrun: collectives ran unintercepted)",
         finished=[d.rank for d in done],
@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if dist.get_rank() == 0:
         reports = [d for d in everyone if d is not None]
         run = WorldRun(
-            verdict=_verdict(reports),
+            outcome=_outcome(reports),
             ranks={d.rank: RankResult(place=places[d.rank], done=d) for d in reports},
             seconds=0.0,
             reusable=False,

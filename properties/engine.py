@@ -58,7 +58,7 @@ class PropertyResult:
     xfail: bool = False
     picture: str | None = None
     """`pipemetrics.sim.picture.layout_picture` of the minimal failing example: stages by
-    layers, each rank's groups, where each rank stood at the verdict."""
+    layers, each rank's groups, where each rank stood when the world ended."""
     confirmed: bool | None = None
     """A failure: True once it reproduced on the process tier (where a failure found by the
     in-process tier is run again before it is reported; one found on the process tier is

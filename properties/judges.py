@@ -663,7 +663,7 @@ def broadcast_value_error(scenario: Scenario, run: WorldRun) -> list[str]:
             report = view.reports.get(rank)
             where = f"call {view.index} rank {rank} (invalid input)"
             if report is None:
-                problems.append(f"{where}: never returned ({run.verdict.text()})")
+                problems.append(f"{where}: never returned ({run.outcome.text()})")
             elif report.error is None:
                 problems.append(f"{where}: returned {short(report.value, 120)}, no ValueError")
             elif report.error.type != "ValueError":

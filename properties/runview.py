@@ -1,8 +1,8 @@
 """Reading a `WorldRun` for judges: per-call reports of every rank and world-level problems (the
 account of a run people read is `pipemetrics.sim.summary`'s).
 
-A judge sees the run through these helpers. `world_problems` turns a verdict other than ``ok``
-into the property's failure message (the verdict message is already a precise diagnosis) and a
+A judge sees the run through these helpers. `world_problems` turns an outcome other than ``ok``
+into the property's failure message (the outcome message is already a precise diagnosis) and a
 ``harness_error`` into `HarnessFault` (a fault of pipemetrics, reported as ``error``).
 """
 
@@ -47,21 +47,21 @@ def call_views(scenario: Scenario, run: WorldRun) -> list[CallView]:
 
 
 def world_problems(run: WorldRun, *, tolerate: tuple[str, ...] = ()) -> list[str]:
-    """The verdict as a failure (anything but ``ok`` or a ``tolerate``d kind); `HarnessFault` for
-    a fault of pipemetrics (the ``harness_error`` verdict, or any rank's, whatever the verdict)."""
-    verdict = run.verdict
-    if verdict.kind == "harness_error":
-        raise HarnessFault(verdict.message)
+    """The outcome as a failure (anything but ``ok`` or a ``tolerate``d kind); `HarnessFault` for
+    a fault of pipemetrics (the ``harness_error`` outcome, or any rank's, whatever the outcome)."""
+    outcome = run.outcome
+    if outcome.kind == "harness_error":
+        raise HarnessFault(outcome.message)
     for rank, result in sorted(run.ranks.items()):
         fault = result.done.harness_error if result.done is not None else None
-        if fault is not None:  # also after another verdict: a fault of ours is never dropped
+        if fault is not None:  # also after another outcome: a fault of ours is never dropped
             raise HarnessFault(f"rank {rank}: {fault.type}: {fault.message}\n{fault.traceback}")
     for rank, result in sorted(run.ranks.items()):
         if result.done is not None and result.done.load_error is not None:
             err = result.done.load_error
             return [f"rank {rank} could not load the target: {err.type}: {err.message}"]
-    if verdict.kind not in ("ok", *tolerate):
-        return [verdict.text()]
+    if outcome.kind not in ("ok", *tolerate):
+        return [outcome.text()]
     return []
 
 

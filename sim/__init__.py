@@ -7,8 +7,8 @@ Public API::
     setup = Setup(world=WorldSpec(pp=2, dp=2), layout=ModelLayout(num_layers=4, mtp_num_layers=1))
     scenario = Scenario(setup=setup, steps=[Step(records=..., calls=[MoeCall(loss_scale=0.5)])])
     with WorldPool() as pool:
-        run = pool.run(scenario)          # WorldRun: verdict + what every rank did
-        print(run.verdict.kind, run.verdict.message)
+        run = pool.run(scenario)          # WorldRun: outcome + what every rank did
+        print(run.outcome.kind, run.outcome.message)
 
 See ARCHITECTURE.md for how a scenario flows through the simulator.
 """
@@ -22,7 +22,7 @@ from pipemetrics.sim.calls import (
     RoundUpCall,
     TrackNamesCall,
 )
-from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.coordinator import Outcome
 from pipemetrics.sim.layout import (
     EvenSplit,
     ExplicitSplit,
@@ -48,6 +48,7 @@ __all__ = [
     "MoeRecord",
     "MtpCall",
     "MtpRecord",
+    "Outcome",
     "RankPlace",
     "RoundUpCall",
     "Scenario",
@@ -57,7 +58,6 @@ __all__ = [
     "StepRecords",
     "TrackNamesCall",
     "TrackerSnapshot",
-    "Verdict",
     "World",
     "WorldPool",
     "WorldRun",

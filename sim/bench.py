@@ -1,5 +1,5 @@
 """What ``pipemetrics bench`` measures (the command is `pipemetrics.commands.bench`): throughput,
-scaling, hang verdicts and per-call cost, side by side.
+scaling, hang detection and per-call cost, side by side.
 
 Everything is measured in one run on the same machine, each against what a user would otherwise
 use (never against a constant the bench chose):
@@ -14,9 +14,9 @@ use (never against a constant the bench chose):
 2. scaling: per tier (`TIER_POOLS`), examples per second, peak RSS per rank (``VmHWM`` of every rank
    process after the examples, and its proportional share, ``Pss``) and world start time against
    world size;
-3. deadlock verdicts: end to end, from handing a deadlocking scenario to a pooled world until
-   the verdict is in the caller's hands, and the controller's reaction time
-   (``Verdict.latency_ms``); what a user gets otherwise is the hang detection table below and
+3. deadlock detection: end to end, from handing a deadlocking scenario to a pooled world until
+   the outcome is in the caller's hands, and the controller's reaction time
+   (``Outcome.latency_ms``); what a user gets otherwise is the hang detection table below and
    torch's default process-group timeout, stated, never waited for;
 4. world start: preloaded (forked from the fork server) and cold (spawned), per world size;
 5. the per-call cost of the reference against Megatron's own ``report()``
@@ -393,7 +393,7 @@ def _judged(judge: Judge, scenario: Scenario, run: WorldRun) -> None:
     if judge(scenario, run):
         raise BenchError(
             f"a throughput example on {scenario.setup.world.key} did not pass "
-            f"({run.verdict.kind}: {run.verdict.message[:600]})"
+            f"({run.outcome.kind}: {run.outcome.message[:600]})"
         )
 
 
@@ -469,9 +469,9 @@ Measure = Callable[[WorldSpec, list[Scenario], Leftovers], ModeRun]
 
 def _ran(scenario: Scenario, run: WorldRun) -> None:
     """For runs whose values mean nothing (`RunMode.ALONE`): every rank finished."""
-    if run.verdict.kind != "ok":
+    if run.outcome.kind != "ok":
         raise BenchError(f"an example on {scenario.setup.world.key} did not finish "
-                         f"({run.verdict.kind}: {run.verdict.message[:600]})")  # fmt: skip
+                         f"({run.outcome.kind}: {run.outcome.message[:600]})")  # fmt: skip
 
 
 def persistent_in(
@@ -701,7 +701,7 @@ def measure_starts(plan: Plan, results: Results, leftovers: Leftovers) -> None:
 
 
 def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None:
-    """End to end (``pool.run`` until the verdict is in hand) and reaction time of deadlocks."""
+    """End to end (``pool.run`` until the outcome is in hand) and reaction time of deadlocks."""
     sizes = deadlock_sizes(plan)
     with deadlock_target() as target, WorldPool(max_ranks=sum(sizes)) as pool:
         for i in range(plan.deadlock_samples):
@@ -711,15 +711,15 @@ def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None
             began = time.perf_counter()
             run = pool.run(scenario)
             elapsed = time.perf_counter() - began
-            verdict = run.verdict
-            if verdict.kind != "deadlock" or verdict.latency_ms is None:
+            outcome = run.outcome
+            if outcome.kind != "deadlock" or outcome.latency_ms is None:
                 raise BenchError(
-                    f"expected a deadlock verdict, got {verdict.kind}: {verdict.message[:600]}"
+                    f"expected a deadlock outcome, got {outcome.kind}: {outcome.message[:600]}"
                 )
-            results.deadlock_ms.append(verdict.latency_ms)
+            results.deadlock_ms.append(outcome.latency_ms)
             results.deadlock_run_ms.append(1000.0 * elapsed)
     _err(
-        f"gated deadlock verdicts: {plan.deadlock_samples} samples, end to end p95 "
+        f"gated deadlock detection: {plan.deadlock_samples} samples, end to end p95 "
         f"{percentile(results.deadlock_run_ms, 95):.2f} ms, reaction p95 "
         f"{percentile(results.deadlock_ms, 95):.2f} ms"
     )
@@ -946,8 +946,8 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "spawned world (World.startup_s, median); first_forkserver_world_s the first world "
             "of the process, which waits for the fork server to import torch and megatron-core",
             "deadlock: end_to_end_ms from handing a deadlocking scenario to pool.run until the "
-            "verdict is returned (dispatch, target load, fill, the verdict, unwind); reaction_ms "
-            "Verdict.latency_ms, from the event that makes the deadlock certain to the verdict; "
+            "outcome is returned (dispatch, target load, fill, the outcome, unwind); reaction_ms "
+            "Outcome.latency_ms, from the event that makes the deadlock certain to the outcome; "
             "without pipemetrics a hang like this one blocks until torch's default process-group "
             "timeout (torch_default_timeout_s, stated, never waited for): see hang_detection",
             "call_cost: get_moe_metrics of the reference and megatron-core's own logging call "
@@ -962,7 +962,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             "time)",
             "hang_detection: per mismatch kind and tool; pipemetrics seconds are the end-to-end "
             "wall time of pool.run in a live gated world (median of the samples), reaction_ms "
-            "Verdict.latency_ms; PyTorch seconds run from the later rank's start of the "
+            "Outcome.latency_ms; PyTorch seconds run from the later rank's start of the "
             "mismatching collectives to the first error any rank raised, each case in two fresh "
             "python processes; short_timeout_s is our setting, default_timeout_s torch's "
             "default_pg_timeout (stated, never waited for)",
@@ -1112,9 +1112,9 @@ def table(data: dict[str, Any]) -> str:
     sizes = " and ".join(str(s) for s in dl["sizes"])
     lines += [
         "",
-        f"Deadlock verdict ({dl['samples']} deadlocking examples, {sizes} ranks, pooled gated "
-        "world): end to end from handing the scenario to pool.run until the verdict is "
-        "returned; reaction from the event that makes the deadlock certain to the verdict",
+        f"Deadlock detection ({dl['samples']} deadlocking examples, {sizes} ranks, pooled gated "
+        "world): end to end from handing the scenario to pool.run until the outcome is "
+        "returned; reaction from the event that makes the deadlock certain to the outcome",
         "",
         "| | p50 | p95 | without pipemetrics |",
         "| --- | --- | --- | --- |",

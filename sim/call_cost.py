@@ -100,10 +100,10 @@ def cost_scenario(spec: WorldSpec, target: str, steps: int, deadline_s: float) -
 
 def _reports(scenario: Scenario, pool: WorldPool, *, mode: RunMode) -> dict[int, list[CallReport]]:
     run = pool.run(scenario, mode=mode)
-    if run.verdict.kind != "ok":
+    if run.outcome.kind != "ok":
         raise RuntimeError(
-            f"{scenario.target} on {scenario.setup.world.key}: {run.verdict.kind}: "
-            f"{run.verdict.message[:600]}"
+            f"{scenario.target} on {scenario.setup.world.key}: {run.outcome.kind}: "
+            f"{run.outcome.message[:600]}"
         )
     reports: dict[int, list[CallReport]] = {}
     for rank, result in run.ranks.items():

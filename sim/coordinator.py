@@ -19,25 +19,25 @@ from pipemetrics.sim.layout import Frozen
 from pipemetrics.sim.protocol import CollectiveCall
 from pipemetrics.sim.records import RankPlace
 
-VerdictKind = Literal["ok", "mismatch", "deadlock", "crash", "timeout", "harness_error"]
+OutcomeKind = Literal["ok", "mismatch", "deadlock", "crash", "timeout", "harness_error"]
 
 _ROLE_PREFERENCE = ("world", "pp", "tp", "cp", "dp", "dp_cp", "tp_cp", "tp_dp_cp", "ep")
 
 
-class Verdict(Frozen):
+class Outcome(Frozen):
     """How a run ended at the level of the world (values are judged elsewhere)."""
 
-    kind: VerdictKind
+    kind: OutcomeKind
     message: str
     pending: dict[int, CollectiveCall] = Field(default_factory=dict)
-    """Each blocked rank's announced collective at the moment of the verdict."""
+    """Each blocked rank's announced collective at the moment of the outcome."""
     finished: list[int] = Field(default_factory=list)
     running: list[int] = Field(default_factory=list)
     crashed: dict[int, int | None] = Field(default_factory=dict)
     stacks: dict[int, str] = Field(default_factory=dict)
     latency_ms: float | None = None
-    """Time from the event that made the verdict certain (the last rank blocking, returning or
-    dying) to the verdict itself."""
+    """Time from the event that made the outcome certain (the last rank blocking, returning or
+    dying) to the outcome itself."""
 
     def text(self) -> str:
         """``kind: message``, naming the kind once (most messages already start with it)."""
@@ -65,7 +65,7 @@ def describe_pending(call: CollectiveCall, place: RankPlace | None) -> str:
 
 
 class Coordinator:
-    """Tracks every rank of one task and decides releases and verdicts."""
+    """Tracks every rank of one task and decides releases and outcomes."""
 
     def __init__(self, ranks: list[int], places: dict[int, RankPlace]) -> None:
         self.ranks = list(ranks)
@@ -73,14 +73,14 @@ class Coordinator:
         self.pending: dict[int, CollectiveCall] = {}
         self.finished: dict[int, float] = {}
         self.dead: dict[int, int | None] = {}
-        self.verdict: Verdict | None = None
+        self.outcome: Outcome | None = None
         self.released = 0
 
     # -- events ---------------------------------------------------------------------------------
 
     def on_call(self, call: CollectiveCall) -> list[int]:
         """A rank announced a collective; returns the ranks whose collective may now run."""
-        if self.verdict is not None:
+        if self.outcome is not None:
             return []
         self.pending[call.rank] = call
         return self._progress(call, call.started_s)
@@ -88,7 +88,7 @@ class Coordinator:
     def on_done(self, rank: int, at: float) -> list[int]:
         self.finished[rank] = at
         self.pending.pop(rank, None)
-        if self.verdict is not None:
+        if self.outcome is not None:
             return []
         self._check_deadlock(at, gone=rank)
         return []
@@ -99,7 +99,7 @@ class Coordinator:
         The peers are now inside the real backend waiting for a partner that left: a hang the
         coordinator can no longer unwind, so the world must be killed.
         """
-        if self.verdict is None:
+        if self.outcome is None:
             self._decide(
                 "deadlock",
                 f"deadlock: rank {call.rank} raised inside {call.describe()} after its peers "
@@ -110,7 +110,7 @@ class Coordinator:
 
     def on_crash(self, rank: int, exitcode: int | None, at: float) -> None:
         self.dead[rank] = exitcode
-        if self.verdict is None:
+        if self.outcome is None:
             how = f"exit code {exitcode}" if exitcode is not None else "unknown exit"
             self._decide(
                 "crash",
@@ -119,21 +119,21 @@ class Coordinator:
             )
 
     def on_timeout(self, deadline_s: float, stacks: dict[int, str]) -> None:
-        if self.verdict is not None:
+        if self.outcome is not None:
             return
         running = self.running()
-        parts = [f"no verdict within the {deadline_s:g} s deadline"]
+        parts = [f"no outcome within the {deadline_s:g} s deadline"]
         if running:
             parts.append(f"ranks {running} never reached a collective or returned")
         parts += [describe_pending(c, self.places.get(r)) for r, c in sorted(self.pending.items())]
         self._decide("timeout", "; ".join(parts), None, stacks=stacks)
 
     def on_harness_error(self, message: str) -> None:
-        if self.verdict is None:
+        if self.outcome is None:
             self._decide("harness_error", message, None)
 
     def finish_ok(self) -> None:
-        if self.verdict is None:
+        if self.outcome is None:
             self._decide("ok", "every rank returned; every collective matched", None)
 
     # -- state ----------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ class Coordinator:
             gone is not None and any(gone in c.group_ranks for c in self.pending.values())
         ):
             self._missing_member(ended, event_at)
-            if self.verdict is not None:
+            if self.outcome is not None:
                 return
         if self.pending and not self.running():
             self._decide(
@@ -233,14 +233,14 @@ class Coordinator:
 
     def _decide(
         self,
-        kind: VerdictKind,
+        kind: OutcomeKind,
         message: str,
         event_at: float | None,
         *,
         stacks: dict[int, str] | None = None,
     ) -> None:
         now = time.monotonic()
-        self.verdict = Verdict(
+        self.outcome = Outcome(
             kind=kind,
             message=message,
             pending=dict(self.pending),

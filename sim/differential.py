@@ -1,12 +1,12 @@
 """Do two runs of one scenario agree? The check between the process and the in-process tier.
 
-Two runs agree when their verdicts are of the same kind and every rank reports the same calls
+Two runs agree when their outcomes are of the same kind and every rank reports the same calls
 with the same tracker snapshots, values, exceptions (type and message), returned buffers and
 collectives (op, group, signature, outcome). Values are compared exactly but for float rounding
 of reductions done in another order (gloo's ring, the in-process tier's group order): a float
 may differ by `FLOAT_TOLERANCE` of its magnitude (never less than 1), about a hundred float32
 epsilons, far below any error a judge reports (a swapped, diluted or doubly scaled value differs
-by a factor). When the verdict is not ``ok``, a rank stops where the verdict found it, which in
+by a factor). When the outcome is not ``ok``, a rank stops where the outcome found it, which in
 the process tier depends on timing: only the calls both runs completed are compared.
 """
 
@@ -25,13 +25,13 @@ def differences(a: WorldRun, b: WorldRun, names: tuple[str, str] = ("a", "b")) -
     """What differs between two runs of the same scenario (empty: they agree)."""
     first, second = names
     found: list[str] = []
-    if a.verdict.kind != b.verdict.kind:
+    if a.outcome.kind != b.outcome.kind:
         found.append(
-            f"verdict: {first} {a.verdict.kind} ({a.verdict.message[:300]}), "
-            f"{second} {b.verdict.kind} ({b.verdict.message[:300]})"
+            f"outcome: {first} {a.outcome.kind} ({a.outcome.message[:300]}), "
+            f"{second} {b.outcome.kind} ({b.outcome.message[:300]})"
         )
         return found
-    complete = a.verdict.kind == "ok"
+    complete = a.outcome.kind == "ok"
     for rank in sorted(set(a.ranks) | set(b.ranks)):
         done_a = a.ranks[rank].done if rank in a.ranks else None
         done_b = b.ranks[rank].done if rank in b.ranks else None
@@ -68,7 +68,7 @@ def _report_differences(a: CallReport, b: CallReport, complete: bool) -> list[st
     if not same_value(a.snapshot.model_dump(), b.snapshot.model_dump()):
         found.append("tracker snapshots before the call differ")
     cut = any(c.outcome == "aborted" for c in [*a.collectives, *b.collectives])
-    if complete or not cut:  # a call the verdict cut short ends where timing left it
+    if complete or not cut:  # a call the outcome cut short ends where timing left it
         if (a.error is None) != (b.error is None) or (
             a.error is not None
             and b.error is not None

@@ -4,9 +4,9 @@ Every mismatch kind (`KINDS`) is one pair of collectives that the two ranks of a
 world disagree on. The same code runs in two places:
 
 * ``pipemetrics``: a gated world from a `WorldPool` runs a scenario whose target is a generated
-  ``.py`` file issuing the pair. Recorded: the verdict, `Verdict.latency_ms` (reaction time, from
-  the event that made the verdict certain) and the wall time of ``pool.run`` (end to end: the
-  scenario handed to a live world until the verdict is in the caller's hands).
+  ``.py`` file issuing the pair. Recorded: the outcome, `Outcome.latency_ms` (reaction time, from
+  the event that made the outcome certain) and the wall time of ``pool.run`` (end to end: the
+  scenario handed to a live world until the outcome is in the caller's hands).
 * PyTorch: two plain ``python -c`` processes join gloo over a FileStore, pass a barrier and run
   the pair, with ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (process-group timeout short, or torch's
   default), without it (timeout short), or with ``monitored_barrier(timeout=short,
@@ -196,9 +196,9 @@ class Detection(BaseModel):
     pair to the first error. None when nothing was detected."""
     reported_as: ReportedAs
     said: str
-    """The verdict (pipemetrics) or the first error's first line, shortened."""
+    """The outcome (pipemetrics) or the first error's first line, shortened."""
     reaction_ms: float | None = None
-    """pipemetrics only: `Verdict.latency_ms`."""
+    """pipemetrics only: `Outcome.latency_ms`."""
     ranks: list[RankOutcome] = []
 
 
@@ -251,7 +251,7 @@ def classify(error: str) -> ReportedAs:
     return "other error"
 
 
-def _verdict_reported_as(kind: str) -> ReportedAs:
+def _outcome_reported_as(kind: str) -> ReportedAs:
     named: dict[str, ReportedAs] = {
         "mismatch": "mismatch", "deadlock": "deadlock", "timeout": "timeout", "crash": "crash",
         "ok": "nothing",
@@ -295,7 +295,7 @@ def measure_pipemetrics(
     on_world: Callable[[LiveWorld], object] | None = None,
 ) -> list[Detection]:
     """Each kind ``samples`` times in a gated pooled world; the run of median wall time is
-    reported (its verdict and end-to-end time), with the median reaction time of all runs."""
+    reported (its outcome and end-to-end time), with the median reaction time of all runs."""
     results = []
     with mismatch_targets(kinds) as targets:
         for kind in kinds:
@@ -308,11 +308,11 @@ def measure_pipemetrics(
                 began = time.perf_counter()
                 run = pool.run(scenario)
                 elapsed = time.perf_counter() - began
-                verdict = run.verdict
-                runs.append((elapsed, verdict.latency_ms, verdict.kind, verdict.text()))
+                outcome = run.outcome
+                runs.append((elapsed, outcome.latency_ms, outcome.kind, outcome.text()))
             runs.sort(key=lambda r: r[0])
-            elapsed, latency, verdict_kind, text = runs[(len(runs) - 1) // 2]
-            detected = verdict_kind in ("mismatch", "deadlock")
+            elapsed, latency, outcome_kind, text = runs[(len(runs) - 1) // 2]
+            detected = outcome_kind in ("mismatch", "deadlock")
             latencies = [r[1] for r in runs if r[1] is not None]
             results.append(
                 Detection(
@@ -320,7 +320,7 @@ def measure_pipemetrics(
                     tool="pipemetrics",
                     detected=detected,
                     seconds=elapsed if detected else None,
-                    reported_as=_verdict_reported_as(verdict_kind),
+                    reported_as=_outcome_reported_as(outcome_kind),
                     said=_first_line(text),
                     reaction_ms=statistics.median(latencies) if latencies else latency,
                 )

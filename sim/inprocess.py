@@ -13,7 +13,7 @@ collective's data moves by `pipemetrics.sim.collective_semantics`, each member a
 share when it resumes.
 
 Scheduling is deterministic: ranks run in rank order, a released collective's members resume in
-group order, and nothing depends on timing, so a scenario gives the same verdict, values and
+group order, and nothing depends on timing, so a scenario gives the same outcome, values and
 collectives every time. Mismatch and deadlock are decided on the event that makes them certain,
 as in the process tier. A rank that neither yields nor returns (a sleep, a lock, a spin) cannot
 be preempted: the scheduler's `Watchdog` thread reports the timeout with every rank's stack and
@@ -41,7 +41,7 @@ import torch.distributed.distributed_c10d as c10d
 from megatron.core import parallel_state
 
 from pipemetrics.sim.collective_semantics import Contribution, Meeting, contribute
-from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.coordinator import Outcome
 from pipemetrics.sim.inprocess_world import INPROCESS_MODES
 from pipemetrics.sim.interpose import COLLECTIVES, Binder, Interposer
 from pipemetrics.sim.layout import WorldSpec
@@ -274,7 +274,7 @@ class InProcessHost:
         if not self._ready:
             return Stalled(
                 why=f"in-process scheduler stopped with ranks {sorted(self._blocked)} blocked "
-                f"and no rank left to run, but no verdict"
+                f"and no rank left to run, but no outcome"
             )
         rank = self._ready.popleft()
         assert self._task is not None
@@ -301,7 +301,7 @@ class InProcessHost:
     def release(self, ranks: list[int]) -> None:
         """Resume the members of each released collective, in group order. A member whose own
         contribution failed (an object it cannot pickle) resumes alone, to raise; its peers stay
-        blocked, as they would inside the real backend, until the verdict stops them."""
+        blocked, as they would inside the real backend, until the outcome stops them."""
         blocked = self._blocked
         members = sorted(ranks, key=lambda r: (blocked[r].call.group_name, r))
         groups: dict[str, list[int]] = {}
@@ -462,8 +462,8 @@ def _run_or_report(host: InProcessHost, task: Task, watchdog: Watchdog) -> TaskO
     except Exception as exc:
         watchdog.disarm()
         trace = "".join(traceback.format_exception(exc))[-6000:]
-        verdict = Verdict(kind="harness_error", message=f"in-process scheduler fault: {trace}")
-        return TaskOutcome(verdict=verdict, done={}, released=0, seconds=0.0, reusable=False)
+        outcome = Outcome(kind="harness_error", message=f"in-process scheduler fault: {trace}")
+        return TaskOutcome(outcome=outcome, done={}, released=0, seconds=0.0, reusable=False)
 
 
 def host_main(

@@ -3,7 +3,7 @@
 The controller side of the in-process tier, with the same interface as
 `pipemetrics.sim.world.World` (start, run, close, kill), so `WorldPool` and everything above it
 take either tier. The host is forked from the same preloaded fork server as rank processes and
-owns one private temporary directory (its log and stack dumps); it runs a task to its verdict
+owns one private temporary directory (its log and stack dumps); it runs a task to its outcome
 by itself (`pipemetrics.sim.scheduler.run_task`) and answers with its `TaskOutcome`. The controller keeps a hard deadline of its own: a
 host that does not answer (a target holding the interpreter in native code) is killed and the
 run is a timeout.
@@ -20,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.coordinator import Outcome
 from pipemetrics.sim.entry import host_entry
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.mcore import installed_features
@@ -41,7 +41,7 @@ from pipemetrics.sim.world import (
 )
 
 ANSWER_MARGIN_S = WATCHDOG_MARGIN_S + UNWIND_GRACE_S + 4.0
-"""How long after a scenario's deadline the controller waits for the host's own verdict (its
+"""How long after a scenario's deadline the controller waits for the host's own outcome (its
 watchdog reports `WATCHDOG_MARGIN_S` after the deadline; unwinding may take the grace period)."""
 INPROCESS_MODES = frozenset({RunMode.GATED, RunMode.ALONE})
 """The in-process tier's run modes (no real backend: no raw mode)."""
@@ -54,7 +54,7 @@ def inprocess_unsupported() -> str | None:
     The tier is validated (the differential test against the process tier) only where Megatron
     keeps MoE metrics in ``moe_logging.MoEMetricsTracker`` (0.18+). On 0.13's legacy dict tracker
     the differential test fails (deadlocks and values differ, a 64-rank world raises), so the
-    tier refuses the legacy releases rather than risk a wrong verdict (``prove`` has no second
+    tier refuses the legacy releases rather than risk a wrong outcome (``prove`` has no second
     tier to confirm on). The package answers (``inprocess_refusal`` of `installed_features`)."""
     return installed_features().inprocess_refusal
 
@@ -155,13 +155,13 @@ class InProcessWorld(WorldBase):
         self._conn.send(Task(scenario_json=scenario.model_dump_json(), mode=mode))
         answer = self._receive(scenario.deadline_s + ANSWER_MARGIN_S)
         if isinstance(answer, TaskOutcome):
-            verdict, done, released = answer.verdict, answer.done, answer.released
+            outcome, done, released = answer.outcome, answer.done, answer.released
             reusable = answer.reusable
         else:
-            verdict = self._silent_verdict(answer, scenario.deadline_s)
+            outcome = self._silent_outcome(answer, scenario.deadline_s)
             done, released, reusable = {}, 0, False
-        assert isinstance(verdict, Verdict)
-        failed = verdict.kind != "ok"
+        assert isinstance(outcome, Outcome)
+        failed = outcome.kind != "ok"
         tail = self._log_tail("host") if failed else ""
         ranks = {
             rank: RankResult(place=place, done=done.get(rank), log_tail=tail)
@@ -170,7 +170,7 @@ class InProcessWorld(WorldBase):
         if not reusable:
             self.kill()
         return WorldRun(
-            verdict=verdict,
+            outcome=outcome,
             ranks=ranks,
             seconds=time.monotonic() - began,
             reusable=reusable,
@@ -178,20 +178,20 @@ class InProcessWorld(WorldBase):
             startup_s=self.startup_s,
         )
 
-    def _silent_verdict(self, answer: object, deadline_s: float) -> Verdict:
+    def _silent_outcome(self, answer: object, deadline_s: float) -> Outcome:
         ranks = sorted(self.places)
         if answer == "died":
             self._proc.join(1.0)
             code = self._proc.exitcode
-            return Verdict(
+            return Outcome(
                 kind="crash",
                 message=f"the in-process host of {self.spec.key} died (exit code {code}) while "
                 "the task was running: a rank ended the process",
                 crashed={r: code for r in ranks},
             )
-        return Verdict(
+        return Outcome(
             kind="timeout",
-            message=f"no verdict within the {deadline_s:g} s deadline: the in-process host did "
+            message=f"no outcome within the {deadline_s:g} s deadline: the in-process host did "
             "not answer (a rank holds the interpreter); its stack is attached",
             running=ranks,
             stacks={-1: self._dump_stack()},

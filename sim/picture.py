@@ -1,4 +1,4 @@
-"""A plain-text picture of a world's layout and of where each rank stood when a verdict came.
+"""A plain-text picture of a world's layout and of where each rank stood when an outcome came.
 
 `layout_picture` draws three blocks, every line at most `MAX_WIDTH` columns and without colour
 codes, so it reads the same in a terminal, a log file and a Markdown ``text`` block:
@@ -7,7 +7,7 @@ codes, so it reads the same in a terminal, a log file and a Markdown ``text`` bl
   a MoE layer, ``T1``/``t1`` MTP layer 1 with/without MoE), with the ranks of each stage;
 * each rank's coordinates and the members of the groups the metric helpers reduce over
   (``pp``, ``dp``, ``tp_cp``, ``tp_dp_cp``);
-* with a verdict: each rank's state at that moment, a pending collective (op, group role,
+* with an outcome: each rank's state at that moment, a pending collective (op, group role,
   signature) with its call site, or ``returned``, ``running``, ``died (exit code N)``.
 
 It needs no processes: places may come from a finished run (``RankResult.place``) or from
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
-from pipemetrics.sim.coordinator import Verdict, group_roles
+from pipemetrics.sim.coordinator import Outcome, group_roles
 from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.protocol import CollectiveCall
 from pipemetrics.sim.records import RankPlace
@@ -167,33 +167,33 @@ def _pending_lines(call: CollectiveCall, place: RankPlace | None) -> list[str]:
     return lines
 
 
-def _state_lines(verdict: Verdict, rank: int, place: RankPlace | None) -> list[str]:
-    if rank in verdict.pending:
-        return _pending_lines(verdict.pending[rank], place)
-    if rank in verdict.crashed:
-        code = verdict.crashed[rank]
+def _state_lines(outcome: Outcome, rank: int, place: RankPlace | None) -> list[str]:
+    if rank in outcome.pending:
+        return _pending_lines(outcome.pending[rank], place)
+    if rank in outcome.crashed:
+        code = outcome.crashed[rank]
         return [f"died (exit code {code})" if code is not None else "died (unknown exit code)"]
-    if rank in verdict.finished:
+    if rank in outcome.finished:
         return ["returned"]
-    if rank in verdict.running:
-        if verdict.kind == "timeout":
+    if rank in outcome.running:
+        if outcome.kind == "timeout":
             return ["running (never reached a collective or returned)"]
         return ["running"]
     return ["unknown"]
 
 
-def _verdict_rows(verdict: Verdict, places: dict[int, RankPlace]) -> list[str]:
+def _outcome_rows(outcome: Outcome, places: dict[int, RankPlace]) -> list[str]:
     ranks = sorted(
         set(places)
-        | set(verdict.pending)
-        | set(verdict.finished)
-        | set(verdict.running)
-        | set(verdict.crashed)
+        | set(outcome.pending)
+        | set(outcome.finished)
+        | set(outcome.running)
+        | set(outcome.crashed)
     )
     label = max(len(str(r)) for r in ranks) if ranks else 1
-    rows = [f"where each rank stood at the verdict ({verdict.kind}):"]
+    rows = [f"where each rank stood when the world ended ({outcome.kind}):"]
     for rank in ranks:
-        first, *rest = _state_lines(verdict, rank, places.get(rank))
+        first, *rest = _state_lines(outcome, rank, places.get(rank))
         head = f"  rank {rank:>{label}}  "
         rows.append(head + first)
         rows += [" " * (len(head) + 2) + text for text in rest]
@@ -201,9 +201,9 @@ def _verdict_rows(verdict: Verdict, places: dict[int, RankPlace]) -> list[str]:
 
 
 def layout_picture(
-    setup: Setup, places: dict[int, RankPlace], verdict: Verdict | None = None
+    setup: Setup, places: dict[int, RankPlace], outcome: Outcome | None = None
 ) -> str:
-    """The stages by layers, each rank's groups and, with ``verdict``, where each rank stood.
+    """The stages by layers, each rank's groups and, with ``outcome``, where each rank stood.
 
     Plain text, no line longer than `MAX_WIDTH`.
     """
@@ -227,17 +227,17 @@ def layout_picture(
         "ranks (coordinates | members of the groups the metrics reduce over):",
         *_group_rows(places),
     ]
-    if verdict is not None:
-        lines += _verdict_rows(verdict, places)
+    if outcome is not None:
+        lines += _outcome_rows(outcome, places)
     return "\n".join(_clip(line) for line in lines)
 
 
 def run_picture(setup: Setup, run: WorldRun) -> str:
-    """`layout_picture` of a finished run: the places its ranks reported, and its verdict.
+    """`layout_picture` of a finished run: the places its ranks reported, and its outcome.
 
     Ranks that never reported a place (a world that could not start) are computed with
     `places_for`.
     """
     places = places_for(setup.world)
     places.update({rank: result.place for rank, result in run.ranks.items()})
-    return layout_picture(setup, places, run.verdict)
+    return layout_picture(setup, places, run.outcome)

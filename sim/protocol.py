@@ -119,10 +119,10 @@ class RunMode(StrEnum):
     """How the ranks of a task meet at their collectives (a tier offers the modes it can)."""
 
     GATED = "gated"
-    """Every collective waits until the scheduler releases it (both tiers): the verdicts."""
+    """Every collective waits until the scheduler releases it (both tiers): the outcomes."""
     RAW = "raw"
     """Process tier only: collectives run unintercepted in the real backend and are only
-    logged, under the deadline (`pipemetrics replay --raw` confirms a verdict this way)."""
+    logged, under the deadline (`pipemetrics replay --raw` confirms an outcome this way)."""
     ALONE = "alone"
     """In-process tier only: every rank's own work and nothing else, the ranks one after
     another, each to its end; collectives go to torch's fake backend, which moves no data

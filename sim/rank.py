@@ -73,7 +73,7 @@ WATCHDOG_PERIOD_S = 0.1
 
 
 class SimAbort(BaseException):
-    """Raised inside a rank's blocked collective when the controller has reached a verdict.
+    """Raised inside a rank's blocked collective when the controller has reached an outcome.
 
     A BaseException, so an implementation's ``except Exception`` cannot swallow it.
     """

@@ -38,7 +38,7 @@ class Scenario(Frozen):
     deadline_s: Annotated[float, Field(gt=0)] = 30.0
     property: str | None = None
     """The conformance property that produced the scenario; ``pipemetrics replay`` judges the
-    run with it (``None``: a hand-made scenario, judged by the verdict and the oracle)."""
+    run with it (``None``: a hand-made scenario, judged by the outcome and the oracle)."""
     profile: Literal["seed", "megatron", "strict"] | None = None
     """The semantic profile the property was checked under (``None`` means ``seed``)."""
 

@@ -4,17 +4,17 @@ A tier is a `Transport`: it begins a task on its ranks, hands over their next ev
 announced a collective, returned, or died), releases or stops ranks waiting at a collective,
 dumps stacks and kills. Everything else is decided here, once, for both tiers (`run_task`):
 
-* the `Coordinator` is fed every event and decides releases and verdicts;
-* the scenario's deadline: past it, the verdict is a timeout carrying the stacks of every rank
+* the `Coordinator` is fed every event and decides releases and outcomes;
+* the scenario's deadline: past it, the outcome is a timeout carrying the stacks of every rank
   still running or blocked, and the world is dirty;
-* abort on verdict: every rank waiting at a collective is stopped (it unwinds with `SimAbort`),
+* abort on outcome: every rank waiting at a collective is stopped (it unwinds with `SimAbort`),
   as is a rank announcing a collective afterwards; ranks get `UNWIND_GRACE_S` to return, else
   the world is dirty;
 * a broken collective (a rank raised inside a collective its peers were released into): a
   deadlock; over a real backend the peers are stuck inside it, past unwinding, so the world is
   dirty at once; a transport without one holds them blocked, and they are stopped like the rest;
 * a dead rank is a crash, and the world is dirty;
-* harness faults: when nothing else decided, a fault of pipemetrics in any rank is the verdict,
+* harness faults: when nothing else decided, a fault of pipemetrics in any rank is the outcome,
   the first in rank order (the lowest rank that reports one, whatever the order of arrival,
   so both tiers name the same fault for the same run);
 * a `Watchdog` keeps the deadline for a transport that may not return from `next_event` (an
@@ -31,14 +31,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Literal, Protocol
 
-from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.coordinator import Coordinator, Outcome
 from pipemetrics.sim.layout import Frozen
 from pipemetrics.sim.protocol import CollectiveCall, Done, RunMode, Task
 from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 
 UNWIND_GRACE_S = 5.0
-"""How long ranks get to unwind after a verdict before the world is declared dirty."""
+"""How long ranks get to unwind after an outcome before the world is declared dirty."""
 WATCHDOG_MARGIN_S = 1.0
 """How long after the deadline a `Watchdog` decides the timeout itself."""
 
@@ -124,11 +124,11 @@ class Transport(Protocol):
 
 
 class TaskOutcome(Frozen):
-    """How a task ended: the verdict, every returned rank's `Done` and the scheduler's facts.
+    """How a task ended: the outcome, every returned rank's `Done` and the scheduler's facts.
     The in-process tier's host sends it to its controller as it is."""
 
     kind: Literal["task-outcome"] = "task-outcome"
-    verdict: Verdict
+    outcome: Outcome
     done: dict[int, Done]
     released: int
     """Collectives the coordinator released."""
@@ -159,7 +159,7 @@ def broken_collective(done: Done) -> tuple[CollectiveCall, str] | None:
 
 
 def first_harness_fault(done: dict[int, Done]) -> str | None:
-    """The harness-error verdict's message: the fault of the lowest rank reporting one."""
+    """The harness-error outcome's message: the fault of the lowest rank reporting one."""
     for rank in sorted(done):
         error = done[rank].harness_error
         if error is not None:
@@ -178,7 +178,7 @@ def run_task(
     watchdog: Watchdog | None = None,
 ) -> TaskOutcome:
     """Run ``task`` (whose scenario is ``scenario``) on every rank of ``transport`` to its
-    verdict. ``watchdog``: for a transport that may not return from `next_event`; if it
+    outcome. ``watchdog``: for a transport that may not return from `next_event`; if it
     decided the timeout, its outcome is returned."""
     require_mode(task.mode, transport.modes, transport.tier)
     began = time.monotonic()
@@ -203,8 +203,8 @@ def run_task(
                 break
             event = transport.next_event(left)
             if isinstance(event, Called):
-                if coordinator.verdict is not None:
-                    transport.stop([event.call.rank], coordinator.verdict.message)
+                if coordinator.outcome is not None:
+                    transport.stop([event.call.rank], coordinator.outcome.message)
                     continue
                 released = coordinator.on_call(event.call)
                 if released:
@@ -228,29 +228,29 @@ def run_task(
                 coordinator.on_harness_error(event.why)
                 dirty = True
                 break
-            verdict = coordinator.verdict
-            if verdict is not None:
+            outcome = coordinator.outcome
+            if outcome is not None:
                 if unwind_until is None:
                     unwind_until = time.monotonic() + UNWIND_GRACE_S
                 waiting = (set(coordinator.pending) | stranded) - stopped - set(done)
                 if waiting:
-                    transport.stop(sorted(waiting), verdict.message)
+                    transport.stop(sorted(waiting), outcome.message)
                     stopped |= waiting
     if watchdog is not None:
         decided = watchdog.disarm()
         if decided is not None:
             return decided
-    if coordinator.verdict is None:
+    if coordinator.outcome is None:
         fault = first_harness_fault(done)
         if fault is not None:
             coordinator.on_harness_error(fault)
         else:
             coordinator.finish_ok()
-    assert coordinator.verdict is not None
+    assert coordinator.outcome is not None
     if dirty:
         transport.kill_ranks()
     return TaskOutcome(
-        verdict=coordinator.verdict,
+        outcome=coordinator.outcome,
         done=done,
         released=coordinator.released,
         seconds=time.monotonic() - began,
@@ -303,9 +303,9 @@ class Watchdog:
             if finished.is_set():
                 return
             coordinator.on_timeout(deadline_s, transport.dump_stacks(sorted(transport.places)))
-            assert coordinator.verdict is not None
+            assert coordinator.outcome is not None
             self.sent = TaskOutcome(
-                verdict=coordinator.verdict,
+                outcome=coordinator.outcome,
                 done={},
                 released=coordinator.released,
                 seconds=0.0,

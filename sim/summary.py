@@ -1,5 +1,5 @@
 """The one human-readable account of a run, for every command that shows one (``check``'s
-failure write-ups, ``prove``'s failing case, ``replay``, ``demo``, torchrun): the verdict, the
+failure write-ups, ``prove``'s failing case, ``replay``, ``demo``, torchrun): the outcome, the
 layout picture (stages, groups, where each rank stood), each rank's stack at a deadline, then
 what every rank did (its place, whether it reported, loaded the target or was aborted, and per
 call its value or its exception). Judging is not done here: every command judges with the
@@ -50,7 +50,7 @@ def _rank_lines(run: WorldRun) -> list[str]:
         if result.done.load_error is not None:
             lines.append(f"{head}: could not load the target: {result.done.load_error.message}")
         if result.done.aborted:
-            lines.append(f"{head}: aborted by the simulator after the verdict")
+            lines.append(f"{head}: aborted by the simulator once the outcome was decided")
         for report in result.done.reports:
             what = (
                 f"raised {report.error.type}: {report.error.message[:LIMIT]}"
@@ -62,22 +62,22 @@ def _rank_lines(run: WorldRun) -> list[str]:
 
 
 def what_ranks_did(run: WorldRun) -> str:
-    """The verdict, then what each rank did (a failure write-up, beside its layout picture)."""
-    return "\n".join([f"verdict: {run.verdict.text()}", *_rank_lines(run)])
+    """The outcome, then what each rank did (a failure write-up, beside its layout picture)."""
+    return "\n".join([f"outcome: {run.outcome.text()}", *_rank_lines(run)])
 
 
 def summarize(scenario: Scenario, run: WorldRun) -> str:
-    """The whole account: the scenario, the verdict, the layout picture, the stacks, what each
+    """The whole account: the scenario, the outcome, the layout picture, the stacks, what each
     rank did."""
     lines = [
         f"world {scenario.setup.world.key}, target {scenario.target}, mode {scenario.mode}, "
         f"seed {scenario.seed}",
-        f"verdict: {run.verdict.text()}",
+        f"outcome: {run.outcome.text()}",
     ]
-    if run.verdict.latency_ms is not None:
-        lines.append(f"verdict latency: {run.verdict.latency_ms:.2f} ms")
+    if run.outcome.latency_ms is not None:
+        lines.append(f"outcome latency: {run.outcome.latency_ms:.2f} ms")
     lines.append(layout_picture(scenario, run))
-    for rank, stack in sorted(run.verdict.stacks.items()):
+    for rank, stack in sorted(run.outcome.stacks.items()):
         lines.append(f"rank {rank} stack at the deadline:\n{stack}")
     lines.append("what each rank did:")
     lines += _rank_lines(run)

@@ -32,7 +32,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, PrivateAttr
 
-from pipemetrics.sim.coordinator import Verdict
+from pipemetrics.sim.coordinator import Outcome
 from pipemetrics.sim.entry import rank_entry
 from pipemetrics.sim.layout import Frozen, WorldSpec
 from pipemetrics.sim.protocol import Abort, Call, Done, Go, Ready, RunMode, Shutdown, Task
@@ -59,7 +59,7 @@ class RankResult(Frozen):
 class WorldRun(Frozen):
     """The outcome of one scenario in one world."""
 
-    verdict: Verdict
+    outcome: Outcome
     ranks: dict[int, RankResult]
     seconds: float
     reusable: bool
@@ -418,7 +418,7 @@ class World(WorldBase):
         outcome = run_task(
             self, Task(scenario_json=scenario.model_dump_json(), mode=mode), scenario
         )
-        failed = outcome.verdict.kind != "ok"
+        failed = outcome.outcome.kind != "ok"
         ranks = {
             rank: RankResult(
                 place=place,
@@ -430,7 +430,7 @@ class World(WorldBase):
         if not outcome.reusable:
             self.kill()
         return WorldRun(
-            verdict=outcome.verdict,
+            outcome=outcome.outcome,
             ranks=ranks,
             seconds=time.monotonic() - began,
             reusable=outcome.reusable,

@@ -223,7 +223,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert positive(machine["cores"])
     assert all(isinstance(machine[k], str) for k in ("python", "torch", "megatron-core"))
 
-    assert "Throughput, examples/s" in done.stdout and "Deadlock verdict" in done.stdout
+    assert "Throughput, examples/s" in done.stdout and "Deadlock detection" in done.stdout
     assert "Scaling, process tier" in done.stdout and "get_moe_metrics per call" in done.stdout
     assert f"the reference against megatron-core's {megatron_call};" in done.stdout
 
@@ -261,7 +261,7 @@ def test_plot_without_matplotlib_names_the_extra_before_measuring(
     assert measured == [] and not (tmp_path / "plots").exists()
 
 
-def test_a_shape_mismatch_is_a_mismatch_verdict(pool: TrackingPool) -> None:
+def test_a_shape_mismatch_is_a_mismatch_outcome(pool: TrackingPool) -> None:
     (result,) = measure_pipemetrics(["shape"], pool, samples=1)
     assert result.kind == "shape" and result.tool == "pipemetrics"
     assert result.detected and result.reported_as == "mismatch", result

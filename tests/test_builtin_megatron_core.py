@@ -133,7 +133,7 @@ def run(
         deadline_s=DEADLINE_S,
     )
     result = pool.run(scenario)
-    assert result.verdict.kind == "ok", result.verdict.message
+    assert result.outcome.kind == "ok", result.outcome.message
     return scenario, result
 
 

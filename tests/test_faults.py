@@ -533,9 +533,9 @@ def test_kill9_of_a_random_rank_at_a_random_collective(
     setup = Setup(world=world, layout=ModelLayout(num_layers=2))
     scenario = Scenario(setup=setup, target=str(target), steps=[Step(calls=[MOE])], deadline_s=30.0)
     run = pool.run(scenario)
-    assert run.verdict.kind in ("crash", "deadlock"), run.verdict.message
-    assert f"rank {victim}" in run.verdict.message
-    assert not run.reusable or run.verdict.kind == "deadlock"
+    assert run.outcome.kind in ("crash", "deadlock"), run.outcome.message
+    assert f"rank {victim}" in run.outcome.message
+    assert not run.reusable or run.outcome.kind == "deadlock"
 
 
 def test_truncated_and_schema_violating_scenarios(tmp_path: Path, bounds: Bounds) -> None:

@@ -227,7 +227,7 @@ def test_reference_broadcasts_over_subgroups(pool: TrackingPool) -> None:
         deadline_s=60.0,
     )
     result = pool.run(scenario)
-    assert result.verdict.kind == "ok", result.verdict.message
+    assert result.outcome.kind == "ok", result.outcome.message
     for index, call in enumerate(calls):
         plan = broadcast_plan(call, world)
         for rank, rank_result in result.ranks.items():

@@ -1,9 +1,9 @@
 """The in-process tier: every rank of a world in one host process, scheduled deterministically.
 
-Checked here: it agrees with the process tier (verdict kind, per-rank values, exceptions and
+Checked here: it agrees with the process tier (outcome kind, per-rank values, exceptions and
 collectives) on generated scenarios of every property and on every mutant of tests/broken; it
 is deterministic; each rank keeps its own Megatron state and its own copy of the target's
-modules; a target that blocks outside a collective, or ends the process, gets a verdict with
+modules; a target that blocks outside a collective, or ends the process, gets an outcome with
 stacks and leaves nothing behind; worlds of 64 ranks run on this machine.
 """
 
@@ -81,10 +81,10 @@ def assert_tiers_agree(
         b = inprocess.run(scenario)
         found = differences(a, b, ("process", "inprocess"))
         assert not found, f"{prop.id}: {scenario.model_dump_json()}\n" + "\n".join(found[:8])
-        verdict_a = judge_run(scenario, a)
-        verdict_b = judge_run(scenario, b)
-        assert bool(verdict_a) == bool(verdict_b), (verdict_a, verdict_b)
-        failing += bool(verdict_a)
+        outcome_a = judge_run(scenario, a)
+        outcome_b = judge_run(scenario, b)
+        assert bool(outcome_a) == bool(outcome_b), (outcome_a, outcome_b)
+        failing += bool(outcome_a)
 
     compare()
     return failing
@@ -102,7 +102,7 @@ def test_the_tiers_agree_on_generated_scenarios(
 def test_the_tiers_agree_on_every_mutant(
     tiers: tuple[TrackingPool, TrackingPool], tmp_path: Path, name: str
 ) -> None:
-    """Same scenarios, the mutant as target: both tiers see the same verdicts and values,
+    """Same scenarios, the mutant as target: both tiers see the same outcomes and values,
     whether the bug shows in them or not."""
     mutant = MUTANTS[name]
     path = str(write_mutant(name, tmp_path))
@@ -121,7 +121,7 @@ def _scenario(world: WorldSpec, seed: int = 3, target: str | None = None) -> Sce
 
 
 def _fingerprint(run: WorldRun) -> list[object]:
-    out: list[object] = [run.verdict.kind]
+    out: list[object] = [run.outcome.kind]
     for rank, result in sorted(run.ranks.items()):
         assert result.done is not None
         for report in result.done.reports:
@@ -134,7 +134,7 @@ def test_runs_are_deterministic_across_runs_and_hosts(inprocess_pool: TrackingPo
     world = WorldSpec(pp=2, dp=2)
     scenario = _scenario(world)
     first = inprocess_pool.run(scenario)
-    assert first.verdict.kind == "ok", first.verdict.message
+    assert first.outcome.kind == "ok", first.outcome.message
     again = inprocess_pool.run(scenario)
     assert _fingerprint(first) == _fingerprint(again)
     with tracking_pool("inprocess") as fresh:
@@ -150,13 +150,13 @@ def test_the_ranks_work_alone_runs_every_rank_and_matches_nothing(
     world = WorldSpec(pp=2, dp=2)
     scenario = _scenario(world)
     alone = inprocess_pool.run(scenario, mode=RunMode.ALONE)
-    assert alone.verdict.kind == "ok", alone.verdict.message
+    assert alone.outcome.kind == "ok", alone.outcome.message
     assert alone.collectives_released == 0
     for result in alone.ranks.values():
         assert result.done is not None and len(result.done.reports) == 1
         assert result.done.reports[0].error is None and result.done.reports[0].collectives == []
     gated = inprocess_pool.run(scenario)
-    assert gated.verdict.kind == "ok" and gated.collectives_released > 0
+    assert gated.outcome.kind == "ok" and gated.collectives_released > 0
     assert not judge_run(scenario, gated)
 
 
@@ -185,7 +185,7 @@ def test_each_rank_has_its_own_module_state_and_megatron_state(
     path.write_text(ISOLATION_TARGET)
     world = WorldSpec(pp=2, dp=2)
     run = inprocess_pool.run(_scenario(world, target=str(path)))
-    assert run.verdict.kind == "ok", run.verdict.message
+    assert run.outcome.kind == "ok", run.outcome.message
     for rank, result in run.ranks.items():
         assert result.done is not None
         value = result.done.reports[0].value
@@ -194,7 +194,7 @@ def test_each_rank_has_its_own_module_state_and_megatron_state(
         assert value["pp_rank_from_megatron"] == float(result.place.pp_rank), (rank, value)
 
 
-# -- faults: a verdict with stacks, nothing left ------------------------------------------------
+# -- faults: an outcome with stacks, nothing left ------------------------------------------------
 
 
 def _fault_target(tmp_path: Path, body: str) -> str:
@@ -226,17 +226,17 @@ def test_a_rank_that_blocks_outside_a_collective_times_out_with_stacks(
     scenario = _scenario(WorldSpec(pp=2), target=_fault_target(tmp_path, body))
     scenario = scenario.model_copy(update={"deadline_s": 2.0})
     run = own_pool.run(scenario)
-    assert run.verdict.kind == "timeout", run.verdict.message
+    assert run.outcome.kind == "timeout", run.outcome.message
     assert not run.reusable
-    assert 1 in run.verdict.stacks and where in run.verdict.stacks[1], run.verdict.stacks
-    assert "fault_target.py" in run.verdict.stacks[1]
+    assert 1 in run.outcome.stacks and where in run.outcome.stacks[1], run.outcome.stacks
+    assert "fault_target.py" in run.outcome.stacks[1]
 
 
 def test_a_rank_that_ends_the_process_is_a_crash(own_pool: TrackingPool, tmp_path: Path) -> None:
     target = _fault_target(tmp_path, "if dist.get_rank() == 1:\n    os._exit(3)\nreturn {}")
     run = own_pool.run(_scenario(WorldSpec(pp=2), target=target))
-    assert run.verdict.kind == "crash", run.verdict.message
-    assert "exit code 3" in run.verdict.message
+    assert run.outcome.kind == "crash", run.outcome.message
+    assert "exit code 3" in run.outcome.message
     assert not run.reusable
 
 
@@ -254,9 +254,9 @@ def test_deadlock_and_mismatch_are_decided_as_in_the_process_tier(
         directory.mkdir()
         scenario = _scenario(WorldSpec(pp=2), target=_fault_target(directory, body))
         runs = [pool.run(scenario) for pool in tiers]
-        assert [r.verdict.kind for r in runs] == [kind, kind], [r.verdict.message for r in runs]
+        assert [r.outcome.kind for r in runs] == [kind, kind], [r.outcome.message for r in runs]
         assert runs[1].reusable
-        assert runs[1].verdict.pending.keys() == runs[0].verdict.pending.keys()
+        assert runs[1].outcome.pending.keys() == runs[0].outcome.pending.keys()
 
 
 # -- scale --------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_a_world_of_64_ranks(inprocess_pool: TrackingPool) -> None:
         profile="seed",
     )  # fmt: skip
     run = inprocess_pool.run(scenario)
-    assert run.verdict.kind == "ok", run.verdict.message
+    assert run.outcome.kind == "ok", run.outcome.message
     assert len(run.ranks) == 64
     assert judge_run(scenario, run) == [], judge_run(scenario, run)
 
@@ -359,7 +359,7 @@ def test_the_tiers_agree_on_every_collective_and_reduce_op(
         deadline_s=60.0,
     )
     process, inprocess = (pool.run(scenario) for pool in tiers)
-    assert process.verdict.kind == inprocess.verdict.kind == "ok", inprocess.verdict.message
+    assert process.outcome.kind == inprocess.outcome.kind == "ok", inprocess.outcome.message
     assert not differences(process, inprocess, ("process", "inprocess"))
     for result in inprocess.ranks.values():
         assert result.done is not None

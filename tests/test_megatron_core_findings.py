@@ -161,7 +161,7 @@ PARAMS = [_param(f) for f in FINDINGS]
 
 def _run(pool: TrackingPool, scenario: Scenario) -> WorldRun:
     run = pool.run(scenario)
-    assert run.verdict.kind == "ok", run.verdict.message
+    assert run.outcome.kind == "ok", run.outcome.message
     return run
 
 

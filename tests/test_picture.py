@@ -1,4 +1,4 @@
-"""The layout picture, drawn from hand-made verdicts and computed places (no processes)."""
+"""The layout picture, drawn from hand-made outcomes and computed places (no processes)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 from pipemetrics.properties.engine import PropertyResult
 from pipemetrics.properties.report import render_markdown
-from pipemetrics.sim.coordinator import Coordinator, Verdict
+from pipemetrics.sim.coordinator import Coordinator, Outcome
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.picture import MAX_WIDTH, layout_picture, member_list, short_site
 from pipemetrics.sim.protocol import CollectiveCall
@@ -39,13 +39,13 @@ def pp_call(rank: int) -> CollectiveCall:
     )
 
 
-def deadlock() -> Verdict:
+def deadlock() -> Outcome:
     """Rank 4 (stage 1) blocks in the pp all_reduce; its stage-0 partner rank 0 returned."""
     c = Coordinator(list(range(8)), PLACES)
     c.on_done(0, at=0.0)
     c.on_call(pp_call(4))
-    assert c.verdict is not None and c.verdict.kind == "deadlock"
-    return c.verdict
+    assert c.outcome is not None and c.outcome.kind == "deadlock"
+    return c.outcome
 
 
 def assert_plain(text: str) -> None:
@@ -80,7 +80,7 @@ def test_group_memberships_per_rank() -> None:
 def test_where_each_rank_stood_at_a_deadlock() -> None:
     text = layout_picture(SETUP, PLACES, deadlock())
     assert_plain(text)
-    assert "where each rank stood at the verdict (deadlock):" in text
+    assert "where each rank stood when the world ended (deadlock):" in text
     assert "rank 4  blocked in all_reduce #1 on pp [0,4] (pg 12)" in text
     assert "tensor=torch.float32[2]@cpu, op=SUM" in text
     assert "at megatron/core/transformer/moe/moe_logging.py:277 in _sync_metrics" in text
@@ -92,22 +92,22 @@ def test_crash_and_timeout_states() -> None:
     c = Coordinator(list(range(8)), PLACES)
     c.on_call(pp_call(4))
     c.on_crash(3, -9, at=0.0)
-    crashed = layout_picture(SETUP, PLACES, c.verdict)
+    crashed = layout_picture(SETUP, PLACES, c.outcome)
     assert "rank 3  died (exit code -9)" in crashed and "rank 4  blocked in" in crashed
     c = Coordinator(list(range(8)), PLACES)
     c.on_call(pp_call(4))
     c.on_timeout(20.0, {})
-    timed_out = layout_picture(SETUP, PLACES, c.verdict)
+    timed_out = layout_picture(SETUP, PLACES, c.outcome)
     assert "(timeout)" in timed_out
     assert "rank 2  running (never reached a collective or returned)" in timed_out
 
 
-def test_ok_verdict_everyone_returned() -> None:
+def test_ok_outcome_everyone_returned() -> None:
     c = Coordinator(list(range(8)), PLACES)
     for rank in range(8):
         c.on_done(rank, at=0.0)
     c.finish_ok()
-    text = layout_picture(SETUP, PLACES, c.verdict)
+    text = layout_picture(SETUP, PLACES, c.outcome)
     assert all(f"rank {r}  returned" in text for r in range(8))
 
 
@@ -138,10 +138,10 @@ def test_member_list_and_short_site() -> None:
     assert short_site("/home/me/impl.py:3 in f") == "/home/me/impl.py:3 in f"
 
 
-def test_verdict_text_names_the_kind_once() -> None:
+def test_outcome_text_names_the_kind_once() -> None:
     assert deadlock().text().startswith("deadlock: rank 4 blocked")
     assert not deadlock().text().startswith("deadlock: deadlock")
-    crash = Verdict(kind="crash", message="rank 1 died (exit code -9) while the task was running")
+    crash = Outcome(kind="crash", message="rank 1 died (exit code -9) while the task was running")
     assert crash.text() == "crash: rank 1 died (exit code -9) while the task was running"
 
 
@@ -185,20 +185,20 @@ def test_markdown_has_table_picture_counterexample_and_replay() -> None:
     assert "```bash\npipemetrics replay pipemetrics-report/moe.no_hang.json\n```" in md
 
 
-def test_replay_summary_shows_the_picture_after_the_verdict() -> None:
-    verdict = deadlock()
+def test_replay_summary_shows_the_picture_after_the_outcome() -> None:
+    outcome = deadlock()
     run = WorldRun(
-        verdict=verdict,
+        outcome=outcome,
         ranks={rank: RankResult(place=place) for rank, place in PLACES.items()},
         seconds=0.0,
         reusable=True,
     )
     text = summarize(Scenario(setup=SETUP, steps=[Step(calls=[])]), run)
     lines = text.splitlines()
-    verdict_at = next(i for i, line in enumerate(lines) if line.startswith("verdict: "))
-    assert lines[verdict_at] == f"verdict: {verdict.text()}"
+    outcome_at = next(i for i, line in enumerate(lines) if line.startswith("outcome: "))
+    assert lines[outcome_at] == f"outcome: {outcome.text()}"
     stage_at = next(i for i, line in enumerate(lines) if line.strip().startswith("stage 0 |"))
-    assert stage_at > verdict_at
+    assert stage_at > outcome_at
     assert "rank 4  blocked in all_reduce #1 on pp [0,4]" in text
 
 

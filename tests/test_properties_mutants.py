@@ -181,7 +181,7 @@ def test_the_generators_before_its_class_miss_the_mutant(
 
     Every example of this run passes, so it runs on the in-process tier where the release
     allows it (about twice as fast here; tests/test_inprocess.py holds the two tiers to the same
-    verdicts), the process tier elsewhere."""
+    outcomes), the process tier elsewhere."""
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
     without = [arg for cls in mutant.caught_by_classes for arg in ("--without-class", cls)]
@@ -208,15 +208,15 @@ HINTS = {
 }
 
 
-VERDICT_KINDS = frozenset({"deadlock", "mismatch", "crash", "timeout"})
+OUTCOME_KINDS = frozenset({"deadlock", "mismatch", "crash", "timeout"})
 RUNNER_NOTES = ("... and ", "(the failure did not reproduce")
 
 
-def verdict_of(lines: list[str]) -> list[str]:
-    """Problem lines with a world verdict reduced to its kind (which rank was still running
-    when a deadlock was decided may differ between two runs; the verdict may not)."""
+def outcome_of(lines: list[str]) -> list[str]:
+    """Problem lines with a world outcome reduced to its kind (which rank was still running
+    when a deadlock was decided may differ between two runs; the outcome may not)."""
     return [
-        line.split(":", 1)[0] if line.split(":", 1)[0] in VERDICT_KINDS else line for line in lines
+        line.split(":", 1)[0] if line.split(":", 1)[0] in OUTCOME_KINDS else line for line in lines
     ]
 
 
@@ -227,7 +227,7 @@ def assert_replay_reproduces(entry: dict[str, Any], out: Path) -> None:
     replayed = json.loads(out.read_text())
     assert replayed["property"] == entry["id"]
     runner = [line for line in entry["message"].splitlines() if not line.startswith(RUNNER_NOTES)]
-    assert verdict_of(replayed["problems"][: len(runner)]) == verdict_of(runner), entry["id"]
+    assert outcome_of(replayed["problems"][: len(runner)]) == outcome_of(runner), entry["id"]
 
 
 def test_every_mutant_fails_properties_of_its_profile() -> None:

@@ -29,7 +29,7 @@ def picture_checks(text: str) -> None:
     """The minimal counterexample: pp=2, a stage with MoE blocked in the pp all_reduce of the
     MoE reduction (`SYNC_SITE`), the stage without MoE returned."""
     assert "stage 0 |" in text and "stage 1 |" in text, text
-    assert "where each rank stood at the verdict (deadlock):" in text, text
+    assert "where each rank stood when the world ended (deadlock):" in text, text
     assert "blocked in all_reduce" in text, text
     assert SYNC_SITE.search(text), text
     assert "returned" in text, text

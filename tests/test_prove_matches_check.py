@@ -59,6 +59,6 @@ def test_prove_disproves_every_mutant_that_check_detects(
     assert not cert.proven and cert.failure is not None, f"{name}: proven at the default bound"
     concerned = {f for p in cert.failure.properties for f in BY_ID[p].functions}
     assert concerned & set(mutant.functions), (cert.failure.case, cert.failure.properties)
-    if mutant.sim_verdict is not None:  # a hang or crash: its case replays on the process tier
+    if mutant.sim_outcome is not None:  # a hang or crash: its case replays on the process tier
         scenario_file = cert.failure.replay.split(" ", 2)[2]
         assert replay_main(scenario_file, impl=None, raw=False, json_out=None) == 1

@@ -60,7 +60,7 @@ ROUTER_SETUPS = {
 
 def first_snapshots(run: WorldRun) -> dict[int, TrackerSnapshot]:
     """Every rank's trackers after the first step's recording (the first call's snapshot)."""
-    assert run.verdict.kind == "ok", run.verdict.message
+    assert run.outcome.kind == "ok", run.outcome.message
     snapshots = {}
     for rank, result in run.ranks.items():
         assert result.done is not None and result.done.reports, rank

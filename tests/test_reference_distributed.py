@@ -44,7 +44,7 @@ def run(
         target=target,
     )
     result = pool.run(scenario)
-    assert result.verdict.kind == "ok", result.verdict.message
+    assert result.outcome.kind == "ok", result.outcome.message
     return result
 
 

@@ -90,9 +90,9 @@ def test_the_first_harness_fault_is_the_lowest_ranks_whatever_the_arrival_order(
     task = Task(scenario_json=scenario.model_dump_json())
     transport = ScriptedTransport([fault(rank) for rank in order])
     outcome = run_task(transport, task, scenario)
-    assert outcome.verdict.kind == "harness_error"
-    assert outcome.verdict.message.startswith("pipemetrics fault in rank 0: RuntimeError: fault "
-                                              "of rank 0"), outcome.verdict.message  # fmt: skip
+    assert outcome.outcome.kind == "harness_error"
+    assert outcome.outcome.message.startswith("pipemetrics fault in rank 0: RuntimeError: fault "
+                                              "of rank 0"), outcome.outcome.message  # fmt: skip
     assert outcome.reusable and not transport.killed
 
 
@@ -137,10 +137,10 @@ def test_both_tiers_choose_the_same_first_harness_fault(
     scenario = scenario_for(write_target(tmp_path, UNREPRESENTABLE))
     for pool in tiers:
         run = pool.run(scenario)
-        assert run.verdict.kind == "harness_error", (pool.tier, run.verdict.message)
-        assert run.verdict.message.startswith(
+        assert run.outcome.kind == "harness_error", (pool.tier, run.outcome.message)
+        assert run.outcome.message.startswith(
             "pipemetrics fault in rank 0: RuntimeError: fault of rank 0"
-        ), (pool.tier, run.verdict.message)
+        ), (pool.tier, run.outcome.message)
         faults = {r: res.done.harness_error for r, res in run.ranks.items() if res.done}
         assert sorted(r for r, error in faults.items() if error is not None) == [0, 1]
 
@@ -169,10 +169,10 @@ def test_the_unwind_grace_is_the_schedulers_alone(
     )
     scenario = scenario_for(target)
     graced = pool.run(scenario)
-    assert graced.verdict.kind == "mismatch" and graced.reusable, graced.verdict.message
+    assert graced.outcome.kind == "mismatch" and graced.reusable, graced.outcome.message
     monkeypatch.setattr(scheduler, "UNWIND_GRACE_S", 0.0)
     hurried = pool.run(scenario)
-    assert hurried.verdict.kind == "mismatch", hurried.verdict.message
+    assert hurried.outcome.kind == "mismatch", hurried.outcome.message
     assert not hurried.reusable
 
 

@@ -35,39 +35,39 @@ def test_release_when_every_member_arrives() -> None:
     c = coordinator()
     assert c.on_call(call(0, PP_OF_0)) == []
     assert sorted(c.on_call(call(2, PP_OF_0))) == [0, 2]
-    assert c.verdict is None and not c.pending
+    assert c.outcome is None and not c.pending
 
 
 def test_shape_mismatch_is_reported_with_the_field() -> None:
     c = coordinator()
     c.on_call(call(0, PP_OF_0, shape="[4]"))
     c.on_call(call(2, PP_OF_0, shape="[5]"))
-    assert c.verdict is not None and c.verdict.kind == "mismatch"
-    assert "tensor" in c.verdict.message and "rank 2" in c.verdict.message
+    assert c.outcome is not None and c.outcome.kind == "mismatch"
+    assert "tensor" in c.outcome.message and "rank 2" in c.outcome.message
 
 
 def test_reduce_op_mismatch() -> None:
     c = coordinator()
     c.on_call(call(0, PP_OF_0, op="SUM"))
     c.on_call(call(2, PP_OF_0, op="AVG"))
-    assert c.verdict is not None and c.verdict.kind == "mismatch"
-    assert "op" in c.verdict.message
+    assert c.outcome is not None and c.outcome.kind == "mismatch"
+    assert "op" in c.outcome.message
 
 
 def test_peer_returned_means_deadlock_at_once() -> None:
     c = coordinator()
     c.on_done(2, at=0.0)
     c.on_call(call(0, PP_OF_0))
-    verdict = c.verdict
-    assert verdict is not None and verdict.kind == "deadlock"
-    assert "rank 2 returned" in verdict.message and "impl.py:10" in verdict.message
-    assert verdict.running == [1, 3] and list(verdict.pending) == [0]
+    outcome = c.outcome
+    assert outcome is not None and outcome.kind == "deadlock"
+    assert "rank 2 returned" in outcome.message and "impl.py:10" in outcome.message
+    assert outcome.running == [1, 3] and list(outcome.pending) == [0]
 
 
-def test_no_verdict_while_a_peer_may_still_arrive() -> None:
+def test_no_outcome_while_a_peer_may_still_arrive() -> None:
     c = coordinator()
     c.on_call(call(0, PP_OF_0))
-    assert c.verdict is None
+    assert c.outcome is None
 
 
 def test_all_blocked_on_crossing_groups_is_a_deadlock() -> None:
@@ -76,8 +76,8 @@ def test_all_blocked_on_crossing_groups_is_a_deadlock() -> None:
     c.on_call(call(2, PLACES[2].groups["dp"], name="dp"))
     c.on_call(call(1, DP_OF_0, name="dp"))
     c.on_call(call(3, PLACES[3].groups["pp"], name="pp"))
-    assert c.verdict is not None and c.verdict.kind == "deadlock"
-    assert "every live rank is blocked" in c.verdict.message
+    assert c.outcome is not None and c.outcome.kind == "deadlock"
+    assert "every live rank is blocked" in c.outcome.message
 
 
 def test_same_members_different_process_group_never_matches() -> None:
@@ -86,11 +86,11 @@ def test_same_members_different_process_group_never_matches() -> None:
     c.on_call(call(2, PP_OF_0, name="pp-gloo-twin"))
     c.on_done(1, at=0.0)
     c.on_done(3, at=0.0)
-    assert c.verdict is not None and c.verdict.kind == "deadlock"
-    assert "pg pp-gloo-twin" in c.verdict.message
+    assert c.outcome is not None and c.outcome.kind == "deadlock"
+    assert "pg pp-gloo-twin" in c.outcome.message
 
 
-def test_crash_is_a_verdict() -> None:
+def test_crash_is_an_outcome() -> None:
     c = coordinator()
     c.on_crash(1, -9, at=0.0)
-    assert c.verdict is not None and c.verdict.kind == "crash" and c.verdict.crashed == {1: -9}
+    assert c.outcome is not None and c.outcome.kind == "crash" and c.outcome.crashed == {1: -9}

@@ -1,4 +1,4 @@
-"""The simulator in real gloo worlds: verdicts for broken targets, raw mode, faults, cleanup.
+"""The simulator in real gloo worlds: outcomes for broken targets, raw mode, faults, cleanup.
 
 Each test bounds its own wall time through the scenario deadline (and subprocess timeouts), and
 the module's pool asserts at the end that no rank process or world directory survived.
@@ -76,7 +76,7 @@ def write_target(directory: Path, name: str, body: str) -> Path:
 
 def test_reference_is_clean(pool: TrackingPool) -> None:
     run = pool.run(scenario_for("pipemetrics.reference"))
-    assert not judge_run(scenario_for("pipemetrics.reference"), run), run.verdict.message
+    assert not judge_run(scenario_for("pipemetrics.reference"), run), run.outcome.message
     assert run.reusable and run.collectives_released > 0
 
 
@@ -104,11 +104,11 @@ def test_skipped_pipeline_all_reduce_is_a_deadlock_naming_the_call_site(
         """,
     )
     run = pool.run(scenario_for(target))
-    verdict = run.verdict
-    assert verdict.kind == "deadlock", verdict.message
-    assert "rank 0 returned" in verdict.message
-    assert f"{target}:11 in get_moe_metrics" in verdict.message
-    assert verdict.latency_ms is not None  # the speed itself is measured by pipemetrics bench
+    outcome = run.outcome
+    assert outcome.kind == "deadlock", outcome.message
+    assert "rank 0 returned" in outcome.message
+    assert f"{target}:11 in get_moe_metrics" in outcome.message
+    assert outcome.latency_ms is not None  # the speed itself is measured by pipemetrics bench
     assert run.reusable, "a prevented deadlock leaves the process group untouched"
 
 
@@ -130,8 +130,8 @@ def test_size_mismatch_is_reported_before_the_backend_sees_it(
         """,
     )
     run = pool.run(scenario_for(target))
-    assert run.verdict.kind == "mismatch", run.verdict.message
-    assert "tensor" in run.verdict.message and "float32[2]" in run.verdict.message
+    assert run.outcome.kind == "mismatch", run.outcome.message
+    assert "tensor" in run.outcome.message and "float32[2]" in run.outcome.message
 
 
 def test_raise_on_one_rank_is_a_deadlock_with_the_exception(
@@ -150,7 +150,7 @@ def test_raise_on_one_rank_is_a_deadlock_with_the_exception(
         """,
     )
     run = pool.run(scenario_for(target))
-    assert run.verdict.kind == "deadlock", run.verdict.message
+    assert run.outcome.kind == "deadlock", run.outcome.message
     done = run.ranks[0].done
     assert done is not None and done.reports[0].error is not None
     assert "only rank 0 is unhappy" in done.reports[0].error.message
@@ -169,9 +169,9 @@ def test_raw_mode_confirms_the_hang_with_stacks(pool: TrackingPool, tmp_path: Pa
         """,
     )
     run = pool.run(scenario_for(target, deadline_s=3.0), mode=RunMode.RAW)
-    assert run.verdict.kind == "timeout", run.verdict.message
+    assert run.outcome.kind == "timeout", run.outcome.message
     assert not run.reusable
-    assert "all_reduce" in run.verdict.stacks.get(1, ""), run.verdict.stacks
+    assert "all_reduce" in run.outcome.stacks.get(1, ""), run.outcome.stacks
 
 
 def test_crash_of_one_rank(pool: TrackingPool, tmp_path: Path) -> None:
@@ -189,14 +189,14 @@ def test_crash_of_one_rank(pool: TrackingPool, tmp_path: Path) -> None:
     )
     world = pool.world(SETUP.world)
     run = pool.run(scenario_for(target))
-    assert run.verdict.kind in ("crash", "deadlock"), run.verdict.message
-    assert "rank 1" in run.verdict.message
-    if run.verdict.kind == "crash":
-        assert run.verdict.crashed == {1: 3}
+    assert run.outcome.kind in ("crash", "deadlock"), run.outcome.message
+    assert "rank 1" in run.outcome.message
+    if run.outcome.kind == "crash":
+        assert run.outcome.crashed == {1: 3}
         assert not run.reusable
         assert not any(pid_alive(p) for p in world.pids)
     after = pool.run(scenario_for("pipemetrics.reference"))
-    assert after.verdict.kind == "ok", "the pool must start a fresh world after a crash"
+    assert after.outcome.kind == "ok", "the pool must start a fresh world after a crash"
 
 
 def test_sleeping_forever_hits_the_deadline_with_stacks(pool: TrackingPool, tmp_path: Path) -> None:
@@ -210,8 +210,8 @@ def test_sleeping_forever_hits_the_deadline_with_stacks(pool: TrackingPool, tmp_
         """,
     )
     run = pool.run(scenario_for(target, deadline_s=2.0))
-    assert run.verdict.kind == "timeout"
-    assert "sleep" in run.verdict.stacks.get(0, ""), run.verdict.stacks
+    assert run.outcome.kind == "timeout"
+    assert "sleep" in run.outcome.stacks.get(0, ""), run.outcome.stacks
     assert not run.reusable
 
 
@@ -230,7 +230,7 @@ def test_stray_thread_and_megabytes_of_output_do_not_disturb(
         """,
     )
     run = pool.run(scenario_for(target))
-    assert run.verdict.kind == "ok"
+    assert run.outcome.kind == "ok"
     assert len(capfd.readouterr().out) < 100_000, "rank output must go to the rank's log"
 
 
@@ -276,7 +276,7 @@ def test_reference_clean_over_random_router_layouts(pool: TrackingPool) -> None:
             * 2,
         )
         run = pool.run(scenario)
-        assert not judge_run(scenario, run), (layout, run.verdict.message)
+        assert not judge_run(scenario, run), (layout, run.outcome.message)
 
 
 def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> None:
@@ -298,7 +298,7 @@ def test_reference_clean_over_random_synthetic_records(pool: TrackingPool) -> No
                 steps=[Step(records=StepRecords(moe=per_rank), calls=[MoeCall(loss_scale=0.25)])],
             )
             run = pool.run(scenario)
-            assert not judge_run(scenario, run), run.verdict.message
+            assert not judge_run(scenario, run), run.outcome.message
 
 
 # -- the controller going away --------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_nothing_survives_the_controller(
             proc.wait()
 
 
-def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None:
+def test_replay_cli_reproduces_an_outcome(tmp_path: Path, bounds: Bounds) -> None:
     target = write_target(
         tmp_path,
         "raises_rank0",
@@ -374,9 +374,9 @@ def test_replay_cli_reproduces_a_verdict(tmp_path: Path, bounds: Bounds) -> None
         timeout=bounds(18, 180),
     )
     assert result.returncode == 1, result.stderr
-    assert "verdict: deadlock" in result.stdout
+    assert "outcome: deadlock" in result.stdout
     replayed = json.loads(out.read_text())
-    assert replayed["run"]["verdict"]["kind"] == "deadlock" and not replayed["passed"]
+    assert replayed["run"]["outcome"]["kind"] == "deadlock" and not replayed["passed"]
     fixed = subprocess.run(
         [
             sys.executable,
@@ -458,9 +458,9 @@ def test_raising_inside_a_released_collective_is_diagnosed_not_timed_out(
         """,
     )
     run = pool.run(scenario_for(target, deadline_s=600.0))
-    # A deadlock verdict, not a timeout: decided when the rank reported, not at the deadline.
-    assert run.verdict.kind == "deadlock", run.verdict.message
-    assert "rank 0 raised inside all_gather_object" in run.verdict.message
+    # A deadlock outcome, not a timeout: decided when the rank reported, not at the deadline.
+    assert run.outcome.kind == "deadlock", run.outcome.message
+    assert "rank 0 raised inside all_gather_object" in run.outcome.message
     assert not run.reusable
 
 
@@ -482,7 +482,7 @@ def test_classes_defined_in_a_path_target_pickle_between_ranks(
         """,
     )
     run = pool.run(scenario_for(target))
-    assert run.verdict.kind == "ok", run.verdict.message
+    assert run.outcome.kind == "ok", run.outcome.message
     for result in run.ranks.values():
         assert result.done is not None and result.done.reports[0].value == {"ranks": 1.0}
 

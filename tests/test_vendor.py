@@ -274,7 +274,7 @@ def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) 
         deadline_s=30.0,
     )
     run = pool.run(scenario)
-    assert not judge_run(scenario, run), run.verdict.message
+    assert not judge_run(scenario, run), run.outcome.message
     assert run.collectives_released > 0
 
 

@@ -165,7 +165,7 @@ def test_pyproject_declares_the_same_range() -> None:
 
 def test_the_inprocess_tier_runs_only_where_it_is_validated(tmp_path: Path) -> None:
     """The in-process tier refuses megatron-core's legacy dict tracker (0.13-0.17), where the
-    differential test against the process tier fails, instead of giving a verdict there; the
+    differential test against the process tier fails, instead of giving an outcome there; the
     decision is read from the installed files (checked here on the installed release and on a
     tree without ``moe_logging``), and ``prove`` says what to do instead."""
     from pipemetrics.sim.inprocess_world import inprocess_unsupported

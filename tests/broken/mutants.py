@@ -4,7 +4,7 @@ Each `Mutant` is the reference (``reference/megatron_common.py``) with exactly o
 as a few exact text edits. The simulator's and the conformance suite's tests load a mutant as a
 path target (``write_mutant(name, tmp_path)``) and check that the bug is caught with the right
 diagnosis: the conformance property IDs in ``fails`` must fail, and in a suitable scenario the
-simulator must end with ``sim_verdict`` (``None``: the world stays healthy, only values are
+simulator must end with ``sim_outcome`` (``None``: the world stays healthy, only values are
 wrong).
 
 The edits are applied to the reference text as it is now. A snippet that is not found exactly
@@ -60,7 +60,7 @@ PROPERTY_IDS: frozenset[str] = frozenset(
     }
 )
 
-SimVerdict = Literal["deadlock", "mismatch", "crash"]
+SimOutcome = Literal["deadlock", "mismatch", "crash"]
 
 
 class MutantApplyError(ValueError):
@@ -82,8 +82,8 @@ class Mutant(BaseModel):
     """Conformance property IDs that must fail for this mutant."""
     functions: tuple[str, ...]
     """Seed functions whose code the edits change."""
-    sim_verdict: SimVerdict | None
-    """Simulator verdict kind in a suitable scenario; None: the world stays healthy."""
+    sim_outcome: SimOutcome | None
+    """Simulator outcome kind in a suitable scenario; None: the world stays healthy."""
     profile: Literal["seed", "megatron", "strict"] = "seed"
     """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
     document leaves open and only the reference promises)."""
@@ -153,7 +153,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("steps.interleaved",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -172,7 +172,7 @@ _MUTANTS: list[Mutant] = [
         edits=(("        and kept.local == _steady_key(payload)\n", ""),),
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -190,7 +190,7 @@ _MUTANTS: list[Mutant] = [
         edits=(("    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)\n", ""),),
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
-        sim_verdict="deadlock",
+        sim_outcome="deadlock",
         profile="strict",
         caught_by_classes=("multi_step",),
     ),
@@ -220,7 +220,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.values",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("wide_world",),
     ),
     Mutant(
@@ -245,7 +245,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.values",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("flexible_layout", "virtual_pipeline"),
     ),
     Mutant(
@@ -273,7 +273,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("virtual_pipeline",),
     ),
     Mutant(
@@ -294,7 +294,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict="deadlock",
+        sim_outcome="deadlock",
     ),
     Mutant(
         name="moe_preinit_without_mtp",
@@ -324,7 +324,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict="mismatch",
+        sim_outcome="mismatch",
     ),
     Mutant(
         name="moe_local_insertion_order",
@@ -348,7 +348,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.values",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_raises_on_rank0",
@@ -369,7 +369,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict="deadlock",
+        sim_outcome="deadlock",
     ),
     Mutant(
         name="moe_mean_over_num_layers",
@@ -386,7 +386,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.values",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_zero_based_keys",
@@ -397,7 +397,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_acceptance_scaled",
@@ -414,7 +414,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_acceptance_unclamped_total",
@@ -432,7 +432,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_empty_layer_rate_hundred",
@@ -452,7 +452,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_tracker_not_cleared",
@@ -464,7 +464,7 @@ _MUTANTS: list[Mutant] = [
         edits=(("    tracker.clear()\n    return result\n", "    return result\n"),),
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="track_names_always_z_loss",
@@ -485,7 +485,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_always_reports_z_loss",
@@ -501,7 +501,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.names",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="broadcast_local_buffer_check",
@@ -520,7 +520,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("broadcast.errors_everywhere",),
         functions=("broadcast_tensor",),
-        sim_verdict="deadlock",
+        sim_outcome="deadlock",
         profile="strict",
     ),
     Mutant(
@@ -537,7 +537,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.loss_scale",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_per_layer_one_based",
@@ -548,7 +548,7 @@ _MUTANTS: list[Mutant] = [
         edits=(('per_layer[f"moe/{name}_layer_{i}"]', 'per_layer[f"moe/{name}_layer_{i + 1}"]'),),
         fails=("moe.per_layer",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_loss_unscaled",
@@ -564,7 +564,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.loss_scale",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="round_up_off_by_one",
@@ -583,7 +583,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("round_up.least_multiple",),
         functions=("_round_up_to_multiple",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="broadcast_none_receiver_default_dtype",
@@ -602,7 +602,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("broadcast.roundtrip",),
         functions=("broadcast_tensor",),
-        sim_verdict="mismatch",
+        sim_outcome="mismatch",
     ),
     Mutant(
         name="broadcast_receiver_fresh_tensor",
@@ -629,7 +629,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("broadcast.receiver_buffer",),
         functions=("broadcast_tensor",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="broadcast_global_src_as_group_src",
@@ -661,7 +661,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("broadcast.roundtrip", "broadcast.receiver_buffer"),
         functions=("broadcast_tensor",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("group_broadcast",),
     ),
     Mutant(
@@ -686,7 +686,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("broadcast.value_error",),
         functions=("broadcast_tensor",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_placeholder_skips_dp_avg",
@@ -709,7 +709,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.rank_agreement",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_total_loss_overwritten",
@@ -726,7 +726,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.total_loss_dict",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_nan_mean_zeroed",
@@ -745,7 +745,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.router_mode",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="mtp_reduce_on_logging_rank_only",
@@ -768,7 +768,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
-        sim_verdict="deadlock",
+        sim_outcome="deadlock",
     ),
     Mutant(
         name="mtp_tracker_not_cleaned",
@@ -790,7 +790,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.reset",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_loss_scale_tensor_rejected",
@@ -809,7 +809,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("argument_forms",),
         profile="strict",
     ),
@@ -829,7 +829,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -849,7 +849,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -867,7 +867,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -910,7 +910,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
     Mutant(
         name="moe_num_layers_none_crash",
@@ -928,7 +928,7 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
-        sim_verdict=None,
+        sim_outcome=None,
     ),
 ]
 

@@ -158,7 +158,7 @@ def test_missing_or_repeated_snippet_is_loud(monkeypatch: pytest.MonkeyPatch) ->
             edits=((snippet, "y"),),
             fails=("moe.values",),
             functions=("get_moe_metrics",),
-            sim_verdict=None,
+            sim_outcome=None,
         )
 
     monkeypatch.setitem(MUTANTS, "bogus", bogus("this text is not in the reference"))
@@ -180,13 +180,13 @@ def test_metadata_is_validated() -> None:
         "edits": (("a", "b"),),
         "fails": ("moe.values",),
         "functions": ("get_moe_metrics",),
-        "sim_verdict": None,
+        "sim_outcome": None,
     }
     Mutant(**base)
     for bad in (
         {"fails": ("moe.value",)},
         {"functions": ("get_metrics",)},
-        {"sim_verdict": "hang"},
+        {"sim_outcome": "hang"},
         {"edits": (("a", "a"),)},
         {"edits": ()},
         {"name": "not an identifier"},
@@ -196,9 +196,9 @@ def test_metadata_is_validated() -> None:
 
 
 def test_brief_coverage() -> None:
-    """The verdicts the simulator must produce, and the properties the suite must fail."""
-    verdicts = {m.sim_verdict for m in MUTANTS.values()}
-    assert {"deadlock", "mismatch", None} <= verdicts
+    """The outcomes the simulator must produce, and the properties the suite must fail."""
+    outcomes = {m.sim_outcome for m in MUTANTS.values()}
+    assert {"deadlock", "mismatch", None} <= outcomes
     failed = {p for m in MUTANTS.values() for p in m.fails}
     assert {
         "moe.no_hang",
