@@ -28,8 +28,7 @@ from pipemetrics.sim.bench import (
     Leftovers,
     Plan,
     Results,
-    _err,
-    _num,
+    four_digits,
     make_plan,
     measure_cost,
     measure_deadlock,
@@ -37,6 +36,7 @@ from pipemetrics.sim.bench import (
     measure_scaling,
     measure_starts,
     measure_throughput,
+    progress,
     report,
     table,
     warm_forkserver,
@@ -61,7 +61,7 @@ def _timed_command(
             name, **options, report_dir=os.path.join(directory, "report"), json_out=out
         )
         command = child_command(name, args)
-        _err("running: " + " ".join(command[1:]))
+        progress("running: " + " ".join(command[1:]))
         began = time.perf_counter()
         proc = subprocess.Popen(
             command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -85,7 +85,7 @@ def _timed_command(
             )
             return None
         results.outputs[key] = json.loads(Path(out).read_text(encoding="utf-8"))
-    _err(f"pipemetrics {name} ({key}): {elapsed:.1f} s")
+    progress(f"pipemetrics {name} ({key}): {elapsed:.1f} s")
     return elapsed
 
 
@@ -143,13 +143,13 @@ def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
         from pipemetrics.sim.bench_plot import plot
 
         for path in plot(data, Path(plot_dir)):
-            _err(f"wrote {path}")
+            progress(f"wrote {path}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     plot_dir: str | None = getattr(args, "plot", None)
     if plot_dir and not plotting_available():
-        _err(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
+        progress(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
         return 2
     from_json: str | None = getattr(args, "from_json", None)
     if from_json:
@@ -172,9 +172,9 @@ def run_bench(args: argparse.Namespace) -> int:
         check_ok = measure_prove(plan, results) and check_ok
         data = report(plan, results, leftovers)
     except BenchError as exc:
-        _err(str(exc))
+        progress(str(exc))
         return 1
-    data["details"]["bench_wall_s"] = _num(time.perf_counter() - began)
+    data["details"]["bench_wall_s"] = four_digits(time.perf_counter() - began)
     data["machine"]["loadavg_1min"] = {
         "start": round(load_before[0], 2),
         "end": round(os.getloadavg()[0], 2),
@@ -185,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for note in results.notes:
         print(f"note: {note}")
     if data["leftovers"]["surviving_pids"] or data["leftovers"]["surviving_dirs"]:
-        _err(f"left behind: {data['leftovers']['surviving_pids']} "
+        progress(f"left behind: {data['leftovers']['surviving_pids']} "
              f"{data['leftovers']['surviving_dirs']}")  # fmt: skip
         return 1
     return 0 if check_ok else 1

@@ -263,8 +263,9 @@ def recorded_snapshots(
     """The snapshots that feeding ``records`` to fresh trackers gives, computed without Megatron
     in float32 like Megatron's tensors (a test ties this to the real ``record`` /
     ``save_metrics_to_tracker``), on a release with data-parallel rule ``dp_rule``
-    (`pipemetrics.sim.trackers.moe_dp_rule`; it is stamped on every snapshot, and without a
-    per-entry setting, `PER_ENTRY_DP_RULES`, every entry's ``needs_dp_avg`` is True).
+    (`pipemetrics.sim.mcore.InstalledFeatures.moe_dp_rule`; it is stamped on every snapshot,
+    and without a per-entry setting, `PER_ENTRY_DP_RULES`, every entry's ``needs_dp_avg`` is
+    True).
     ``mtp_acceptance``: the layout's acceptance switch (`ModelLayout.mtp_acceptance`), which
     megatron-core dev's layout holds (``acceptance_collection_enabled``)."""
     kept = dp_rule in PER_ENTRY_DP_RULES

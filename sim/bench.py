@@ -318,7 +318,8 @@ def _pid_alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def _err(message: str) -> None:
+def progress(message: str) -> None:
+    """One line of the bench's progress, on stderr (stdout carries the tables)."""
     print(f"pipemetrics bench: {message}", file=sys.stderr, flush=True)
 
 
@@ -620,7 +621,7 @@ class Results:
         """Record that ``key`` is not measured on this release, and say so on stderr."""
         if key not in self.not_measured:
             self.not_measured[key] = why
-            _err(f"{key}: {NOT_MEASURED}: {why}")
+            progress(f"{key}: {NOT_MEASURED}: {why}")
 
 
 def examples_for(size: int, count: int) -> list[Scenario]:
@@ -636,7 +637,9 @@ def warm_forkserver(results: Results, leftovers: Leftovers) -> None:
     with World(pipeline_world(1)) as world:
         leftovers.note(world)
         results.first_forkserver_start_s = world.startup_s
-    _err(f"fork server up, its first (1-rank) world in {results.first_forkserver_start_s:.2f} s")
+    progress(
+        f"fork server up, its first (1-rank) world in {results.first_forkserver_start_s:.2f} s"
+    )
 
 
 def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
@@ -652,7 +655,7 @@ def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             run = measure(pipeline_world(size), examples_for(size, count), leftovers)
             results.scaling.setdefault(tier, {})[size] = run
             results.tier_starts_s.setdefault(tier, {}).setdefault(size, []).extend(run.starts_s)
-            _err(
+            progress(
                 f"{tier} tier, {size} ranks: {run.examples} pooled examples in "
                 f"{run.seconds:.2f} s ({run.rate:.1f}/s), world start {run.starts_s[0]:.2f} s"
             )
@@ -679,7 +682,7 @@ def measure_throughput(plan: Plan, results: Results, leftovers: Leftovers) -> No
                 )
             elif mode.tier is None:
                 results.cold_start_s.setdefault(size, []).extend(run.starts_s)
-            _err(
+            progress(
                 f"{mode.name}, {size} ranks: {run.examples} examples in {run.seconds:.2f} s "
                 f"({run.rate:.3g}/s)"
             )
@@ -718,7 +721,7 @@ def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None
                 )
             results.deadlock_ms.append(outcome.latency_ms)
             results.deadlock_run_ms.append(1000.0 * elapsed)
-    _err(
+    progress(
         f"gated deadlock detection: {plan.deadlock_samples} samples, end to end p95 "
         f"{percentile(results.deadlock_run_ms, 95):.2f} ms, reaction p95 "
         f"{percentile(results.deadlock_ms, 95):.2f} ms"
@@ -752,7 +755,7 @@ def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
                 raise BenchError(f"call cost (in-process): {exc}") from exc
     for cost in [*results.call_cost, *results.call_cost_wide]:
         timed = "" if cost.steady_ms is None else f", {cost.steady_ms:.2f} ms"
-        _err(
+        progress(
             f"call cost {cost.world_size} ranks, {cost.target}: steady "
             f"{cost.steady.collectives} collectives, {cost.steady.bytes} B{timed}"
         )
@@ -774,7 +777,7 @@ def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             )
         except RuntimeError as exc:
             raise BenchError(f"hang detection: {exc}") from exc
-    _err(
+    progress(
         f"hang detection: {len(plan.hang_kinds)} kinds x {len(plan.hang_tools)} tools in "
         f"{time.perf_counter() - began:.1f} s"
     )
@@ -783,7 +786,7 @@ def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
 # -- report ------------------------------------------------------------------------------------
 
 
-def _num(value: float) -> float:
+def four_digits(value: float) -> float:
     """Four significant digits: readable JSON, and ratios that still agree within rounding."""
     return float(f"{value:.4g}")
 
@@ -818,7 +821,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def _stats(values: list[float]) -> dict[str, float] | None:
-    return {"median": _num(statistics.median(values)), "max": _num(max(values))} if values else None
+    return (
+        {"median": four_digits(statistics.median(values)), "max": four_digits(max(values))}
+        if values
+        else None
+    )
 
 
 def _mode_label(mode: Mode, plan_examples_per_test: int) -> str:
@@ -846,7 +853,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
                 for name, runs in measured.items()
             },
             "examples_per_s": {
-                name: {str(s): _num(run.rate) for s, run in runs.items()}
+                name: {str(s): four_digits(run.rate) for s, run in runs.items()}
                 for name, runs in measured.items()
             },
             "peak_rss_mb_per_rank": {
@@ -861,7 +868,9 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             },
             "speedup": {
                 name: {
-                    str(s): _num(ours[s].rate / run.rate) for s, run in runs.items() if s in ours
+                    str(s): four_digits(ours[s].rate / run.rate)
+                    for s, run in runs.items()
+                    if s in ours
                 }
                 for name, runs in measured.items()
                 if name != first
@@ -870,8 +879,8 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         "scaling": {
             tier: {
                 str(size): {
-                    "examples_per_s": _num(run.rate),
-                    "start_s": _num(statistics.median(results.tier_starts_s[tier][size])),
+                    "examples_per_s": four_digits(run.rate),
+                    "start_s": four_digits(statistics.median(results.tier_starts_s[tier][size])),
                     "peak_rss_mb_per_rank": _stats(run.memory.peak_rss_mb if run.memory else []),
                     "pss_mb_per_rank": _stats(run.memory.pss_mb if run.memory else []),
                 }
@@ -880,22 +889,28 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             for tier, by_size in results.scaling.items()
         },
         "world_start_s": {
-            "preloaded": {str(s): _num(statistics.median(v)) for s, v in preloaded.items() if v},
-            "cold": {
-                str(s): _num(statistics.median(v)) for s, v in results.cold_start_s.items() if v
+            "preloaded": {
+                str(s): four_digits(statistics.median(v)) for s, v in preloaded.items() if v
             },
-            "first_forkserver_world_s": _num(results.first_forkserver_start_s or 0.0),
+            "cold": {
+                str(s): four_digits(statistics.median(v))
+                for s, v in results.cold_start_s.items()
+                if v
+            },
+            "first_forkserver_world_s": four_digits(results.first_forkserver_start_s or 0.0),
         },
         "deadlock": {
             "end_to_end_ms": {
-                f"p{q}": _num(percentile(results.deadlock_run_ms, q)) for q in PERCENTILES
+                f"p{q}": four_digits(percentile(results.deadlock_run_ms, q)) for q in PERCENTILES
             },
-            "reaction_ms": {f"p{q}": _num(percentile(results.deadlock_ms, q)) for q in PERCENTILES},
+            "reaction_ms": {
+                f"p{q}": four_digits(percentile(results.deadlock_ms, q)) for q in PERCENTILES
+            },
             "samples": len(results.deadlock_ms),
             "sizes": sizes,
             "torch_default_timeout_s": default_timeout_s(),
         },
-        "check_ci_profile_s": None if results.check_s is None else _num(results.check_s),
+        "check_ci_profile_s": None if results.check_s is None else four_digits(results.check_s),
         "prove": _prove_report(results),
         "call_cost": _call_cost(results.call_cost),
         "call_cost_wide": _call_cost(results.call_cost_wide),
@@ -913,13 +928,14 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
             },
             "warmup_examples": plan.warmup_examples,
             "preloaded_start_s": {
-                str(s): [_num(v) for v in vs] for s, vs in sorted(preloaded.items())
+                str(s): [four_digits(v) for v in vs] for s, vs in sorted(preloaded.items())
             },
             "cold_start_s": {
-                str(s): [_num(v) for v in vs] for s, vs in sorted(results.cold_start_s.items())
+                str(s): [four_digits(v) for v in vs]
+                for s, vs in sorted(results.cold_start_s.items())
             },
-            "deadlock_reaction_ms_max": _num(max(results.deadlock_ms)),
-            "deadlock_end_to_end_ms_max": _num(max(results.deadlock_run_ms)),
+            "deadlock_reaction_ms_max": four_digits(max(results.deadlock_ms)),
+            "deadlock_end_to_end_ms_max": four_digits(max(results.deadlock_run_ms)),
         },
         "leftovers": {
             "rank_pids_started": len(leftovers.pids),
@@ -984,11 +1000,11 @@ def _prove_report(results: Results) -> dict[str, Any] | None:
     return {
         "bound": cert["bound"],
         "cases": cases,
-        "wall_s": _num(results.prove_s),
-        "cases_per_s": _num(cases / max(float(cert["seconds"]), 1e-9)),
+        "wall_s": four_digits(results.prove_s),
+        "cases_per_s": four_digits(cases / max(float(cert["seconds"]), 1e-9)),
         "to_check_ci_profile": None
         if results.check_s is None
-        else _num(results.prove_s / results.check_s),
+        else four_digits(results.prove_s / results.check_s),
     }
 
 
@@ -999,7 +1015,7 @@ def _call_cost(costs: list[CallCost]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for cost in costs:
         side = cost.model_dump(exclude={"target", "world_size"})
-        side["steady_ms"] = None if cost.steady_ms is None else _num(cost.steady_ms)
+        side["steady_ms"] = None if cost.steady_ms is None else four_digits(cost.steady_ms)
         out.setdefault(str(cost.world_size), {})[cost.target] = side
     for sides in out.values():
         ours, theirs = sides["reference"], sides["megatron"]
@@ -1007,7 +1023,7 @@ def _call_cost(costs: list[CallCost]) -> dict[str, dict[str, Any]]:
         sides["steady_extra"] = {
             "collectives": ours["steady"]["collectives"] - theirs["steady"]["collectives"],
             "bytes": ours["steady"]["bytes"] - theirs["steady"]["bytes"],
-            "ms_ratio": _num(ours["steady_ms"] / theirs["steady_ms"]) if timed else None,
+            "ms_ratio": four_digits(ours["steady_ms"] / theirs["steady_ms"]) if timed else None,
         }
     return out
 

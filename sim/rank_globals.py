@@ -2,11 +2,12 @@
 
 In a rank process, torch.distributed and Megatron keep their state in module globals: the
 default process group and every group's ranks and names (``distributed_c10d._world`` and the
-dictionaries its properties read), ``parallel_state``'s groups and ranks, the MoE metrics
-tracker, ``MTPLossLoggingHelper.tracker``. The in-process tier runs many ranks in one process,
-one at a time: each rank owns a `RankGlobals` holding its values of every such slot, and the
-scheduler swaps them in before the rank runs and back out when it yields. Nothing here changes
-what Megatron or the target execute; it only decides whose values the globals hold.
+dictionaries its properties read), ``parallel_state``'s groups and ranks, ``moe_logging``'s
+trackers (MoE metrics; dev's overload factors), ``MTPLossLoggingHelper.tracker``. The
+in-process tier runs many ranks in one process, one at a time: each rank owns a `RankGlobals`
+holding its values of every such slot, and the scheduler swaps them in before the rank runs and
+back out when it yields. Nothing here changes what Megatron or the target execute; it only
+decides whose values the globals hold.
 
 The target's own modules are per rank too (a rank process imports its own copy): every module
 the target's loading adds to ``sys.modules`` outside the installed libraries (`private_module`)
@@ -47,22 +48,29 @@ _INSTALLED = tuple(
 Slot = tuple[object, str]
 
 
-def rank_slots() -> list[Slot]:
-    """Every (owner, attribute) holding state of one rank, feature-detected."""
-    slots: list[Slot] = [(c10d, "_world")]
-    slots += [(c10d, name) for name in _C10D_STATE if hasattr(c10d, name)]
-    slots += [
-        (parallel_state, name)
-        for name, value in vars(parallel_state).items()
+def _module_state(module: types.ModuleType) -> list[Slot]:
+    """Every private module-level value of ``module`` that is not a function, class or module:
+    the globals Megatron keeps its per-process state in."""
+    return [
+        (module, name)
+        for name, value in vars(module).items()
         if name.startswith("_")
         and not name.startswith("__")
         and not callable(value)
         and not isinstance(value, types.ModuleType)
     ]
+
+
+def rank_slots() -> list[Slot]:
+    """Every (owner, attribute) holding state of one rank, feature-detected."""
+    slots: list[Slot] = [(c10d, "_world")]
+    slots += [(c10d, name) for name in _C10D_STATE if hasattr(c10d, name)]
+    slots += _module_state(parallel_state)
     if installed_features().class_tracker:  # before 0.18 the tracker is in parallel_state
         from megatron.core.transformer.moe import moe_logging
 
-        slots += [(moe_logging, n) for n in ("_MOE_METRICS_TRACKER",) if hasattr(moe_logging, n)]
+        # _MOE_METRICS_TRACKER (0.18+), dev's _MOE_OVERLOAD_FACTOR_TRACKER, and any later one
+        slots += _module_state(moe_logging)
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     slots.append((MTPLossLoggingHelper, "tracker"))

@@ -170,8 +170,8 @@ def te_gemm_fallback() -> Iterator[None]:
     missing (and removes it again on exit). Nothing is patched where the name exists (0.17+, or
     Transformer Engine installed). Nesting is safe.
     """
-    if hasattr(moe_utils, "te_general_gemm"):
-        yield
+    if installed_features().router_gemm_bound_without_te or hasattr(moe_utils, "te_general_gemm"):
+        yield  # 0.17+ bind it; on 0.13-0.16 it exists when Transformer Engine imported
         return
     moe_utils.te_general_gemm = None
     try:
@@ -182,12 +182,13 @@ def te_gemm_fallback() -> Iterator[None]:
 
 def _reset_temporary_tensors() -> Callable[[Any, list[torch.nn.Module]], None] | None:
     """``finalize_model_grads.reset_model_temporary_tensors`` (0.15+, where routers hold
-    global-aux-loss state), or ``None`` (0.13/0.14: nothing to reset)."""
+    global-aux-loss state: ``resets_router_temporaries`` of `installed_features`), or ``None``
+    (0.13/0.14: nothing to reset)."""
+    if not installed_features().resets_router_temporaries:
+        return None
     # the module, not the function ``megatron.core.distributed`` exports under the same name
     module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    reset: Callable[[Any, list[torch.nn.Module]], None] | None = getattr(
-        module, "reset_model_temporary_tensors", None
-    )
+    reset: Callable[[Any, list[torch.nn.Module]], None] = module.reset_model_temporary_tensors
     return reset
 
 

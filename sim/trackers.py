@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-from pipemetrics.sim.mcore import DpRule, installed_features
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
     installed_mtp_layout,
@@ -45,24 +45,6 @@ def _class_tracker_module() -> ModuleType | None:
 
 
 moe_logging = _class_tracker_module()
-
-
-def legacy_tracker() -> bool:
-    """Whether the installed release keeps MoE metrics in 0.13-0.17's dict tracker (the
-    package's ``class_tracker``; 0.18+ keep the dict functions as deprecated shims)."""
-    return not installed_features().class_tracker
-
-
-def legacy_has_dp_flag() -> bool:
-    """Whether the legacy ``save_to_aux_losses_tracker`` takes ``reduce_group_has_dp``
-    (0.16/0.17; the package's ``legacy_saver_has_dp_flag``)."""
-    return installed_features().legacy_saver_has_dp_flag
-
-
-def moe_dp_rule() -> DpRule:
-    """How the installed release's MoE reduction averages over data parallelism (the package's
-    ``moe_dp_rule``, see `pipemetrics.sim.mcore.DpRule`)."""
-    return installed_features().moe_dp_rule
 
 
 def moe_tracker_entries() -> dict[str, tuple[torch.Tensor, Any, Any, bool]]:
@@ -134,7 +116,9 @@ def apply_moe_records(records: list[MoeRecord], groups: GroupsByRole) -> None:
     real ``save_to_aux_losses_tracker``, with ``reduce_group_has_dp = not needs_dp_avg`` where
     it takes the flag, as 0.18's deprecated shim maps it)."""
     if moe_logging is None:
-        has_dp = {"reduce_group_has_dp": False} if legacy_has_dp_flag() else {}
+        has_dp = (
+            {"reduce_group_has_dp": False} if installed_features().legacy_saver_has_dp_flag else {}
+        )
         for rec in records:
             if has_dp:
                 has_dp["reduce_group_has_dp"] = not rec.needs_dp_avg
@@ -161,17 +145,6 @@ def apply_moe_records(records: list[MoeRecord], groups: GroupsByRole) -> None:
         )
 
 
-def mtp_counts_acceptance() -> bool:
-    """Whether the installed ``MTPLossLoggingHelper`` records acceptance counts (the package's
-    ``mtp_counts_acceptance``).
-
-    megatron-core 0.19 has ``save_metrics_to_tracker(loss, correct, total, ...)`` (tracker keys
-    ``loss_values``, ``correct_values``, ``total_values``); 0.18 has
-    ``save_loss_to_tracker(loss, ...)`` (key ``values``, no counts).
-    """
-    return installed_features().mtp_counts_acceptance
-
-
 def save_mtp(
     loss: torch.Tensor,
     correct: torch.Tensor,
@@ -184,7 +157,7 @@ def save_mtp(
     """One MTP record through the installed helper's own save method, as Megatron's
     ``process_mtp_loss`` calls it; without acceptance counts (0.18) ``correct``/``total`` are
     dropped."""
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         MTPLossLoggingHelper.save_metrics_to_tracker(
             loss,
             correct,
@@ -317,7 +290,7 @@ def snapshot() -> TrackerSnapshot:
         )
         for name, (values, reduce_group, avg_group, needs_dp_avg) in moe_tracker_entries().items()
     }
-    return TrackerSnapshot(moe=moe, mtp=mtp_snapshot(), dp_rule=moe_dp_rule())
+    return TrackerSnapshot(moe=moe, mtp=mtp_snapshot(), dp_rule=installed_features().moe_dp_rule)
 
 
 def mtp_snapshot() -> MtpSnapshot | None:

@@ -32,6 +32,20 @@ import pytest
 from pipemetrics.sim.pool import Tier, WorldPool
 
 
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (an outer ``timeout``, a CI job cancelled) ends the run as Ctrl-C does: pytest
+    then tears down every fixture, so each pool closes its worlds and removes their directories
+    (without it, the default action ends the process with the in-process worlds' directories
+    left in the temporary directory). xdist workers get their own handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` runs (a zombie counts as gone); any process with that pid,
     see `process_start` to name one process."""

@@ -32,6 +32,7 @@ from pipemetrics.commands.bench import plotting_available
 from pipemetrics.sim.call_cost import REFERENCE_FUNCTION
 from pipemetrics.sim.hang_detection import measure_pipemetrics
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.mcore import installed_features
 
 from .conftest import Bounds, TrackingPool, assert_no_leftovers, private_tmpdir
 
@@ -59,7 +60,6 @@ BENCH = [sys.executable, "-m", "pipemetrics.commands.cli", "bench"]
 
 
 def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) -> None:
-    from pipemetrics.sim.trackers import legacy_tracker  # imports megatron: the rank's own check
 
     inprocess_refused = inprocess_unsupported()
     out = tmp_path / "bench.json"
@@ -163,7 +163,8 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert data["quick"] is True
 
     assert set(data["call_cost"]) == QUICK_SIZES
-    if legacy_tracker():  # 0.13-0.17: no report(); their training_log's call, its reduction
+    # 0.13-0.17: no report(); their training_log's call, its reduction
+    if not installed_features().class_tracker:
         megatron_call = (
             "moe_utils.track_moe_metrics() (its reduction: reduce_aux_losses_tracker_across_ranks)"
         )

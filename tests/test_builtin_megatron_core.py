@@ -23,6 +23,7 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.sim import builtin_megatron_core as adapter
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import MtpRecord, StepRecords
 from pipemetrics.sim.records import router_record as rec
 from pipemetrics.sim.scenario import CallSpec, Scenario, Step
@@ -33,7 +34,6 @@ from pipemetrics.sim.target import (
     provided_functions,
     resolve_builtin,
 )
-from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import Bounds, TrackingPool, assert_no_leftovers, private_tmpdir, run_bounded
@@ -47,7 +47,7 @@ MOE_PROPERTIES = ("moe.values", "moe.names", "moe.per_layer", "moe.rank_agreemen
 
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
-    legacy_tracker(),
+    (not installed_features().class_tracker),
     reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 
@@ -246,7 +246,7 @@ def test_mtp_equals_the_oracle_and_hand_numbers(pool: TrackingPool) -> None:
         scenario, result, ("mtp.keys", "mtp.loss_scale", "mtp.acceptance_rate", "mtp.reset")
     )
     want: dict[str, float] = {"mtp_1_loss": 0.5 * 3.0, "mtp_2_loss": 0.5 * 2.0}
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         # counts are summed over dp: 8 of 12, and 0 of 0 (clamped denominator)
         want |= {"mtp_1_acceptance_rate": 100.0 * 8 / 12, "mtp_2_acceptance_rate": 0.0}
     for step in (0, 1):

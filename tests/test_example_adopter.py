@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
-from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -39,7 +39,7 @@ def _run_script(out: Path, tmp: Path, timeout: float) -> subprocess.CompletedPro
 
 
 @pytest.mark.skipif(
-    legacy_tracker(),
+    (not installed_features().class_tracker),
     reason="the example's toytrainer reads MoEMetricsTracker; "
     "megatron.core.transformer.moe.moe_logging is missing in the installed megatron-core",
 )
@@ -68,7 +68,7 @@ def test_run_locally_catches_the_planted_bug(tmp_path: Path, bounds: Bounds) -> 
     if installed_mtp_layout() == "loss_sums":
         assert by_id["mtp.keys"]["status"] == "fail", by_id["mtp.keys"]
         assert "went missing" in by_id["mtp.keys"]["message"], by_id["mtp.keys"]["message"]
-    elif mtp_counts_acceptance():
+    elif installed_features().mtp_counts_acceptance:
         assert by_id["mtp.keys"]["status"] == "pass"
     # artifacts the action uploads, and the job summary it writes
     assert (out / "pipemetrics.xml").is_file()

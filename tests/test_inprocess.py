@@ -162,25 +162,45 @@ def test_the_ranks_work_alone_runs_every_rank_and_matches_nothing(
 
 ISOLATION_TARGET = """
 import torch.distributed as dist
+from megatron.core.transformer.moe import moe_logging
 _CALLS = []
+
+
+def _moe_logging_state():
+    # every private module-level value of moe_logging: its trackers (dev adds one)
+    return sorted(n for n, v in vars(moe_logging).items()
+                  if n.startswith("_") and not n.startswith("__") and not callable(v)
+                  and not isinstance(v, type(moe_logging)))
 
 
 def get_moe_metrics(loss_scale, per_layer_logging=False, num_layers=None, mtp_num_layers=None,
                     total_loss_dict=None, track_names=None):
+    me = ("rank", dist.get_rank())
+    names = _moe_logging_state()
+    saved = {n: getattr(moe_logging, n) for n in names}
+    foreign = sum(1 for v in saved.values() if isinstance(v, tuple) and v[:1] == ("rank",))
+    for n in names:
+        setattr(moe_logging, n, me)  # the other ranks run while this one waits below
     _CALLS.append(dist.get_rank())
     t = __import__("torch").tensor([float(len(_CALLS))])
     dist.all_reduce(t)
+    kept = sum(1 for n in names if getattr(moe_logging, n) == me)
+    for n, v in saved.items():
+        setattr(moe_logging, n, v)
     return {"calls_seen_here": float(len(_CALLS)), "sum": float(t.item()),
             "pp_rank_from_megatron": float(__import__("megatron.core.parallel_state",
-                fromlist=["x"]).get_pipeline_model_parallel_rank())}
+                fromlist=["x"]).get_pipeline_model_parallel_rank()),
+            "moe_logging_globals": float(len(names)), "foreign_seen": float(foreign),
+            "own_kept": float(kept)}
 """
 
 
 def test_each_rank_has_its_own_module_state_and_megatron_state(
     inprocess_pool: TrackingPool, tmp_path: Path
 ) -> None:
-    """Module-level state of the target is per rank (a rank process has its own), and
-    parallel_state answers each rank's own pipeline rank."""
+    """Module-level state of the target is per rank (a rank process has its own),
+    parallel_state answers each rank's own pipeline rank, and every tracker ``moe_logging``
+    keeps in a module global (dev adds ``_MOE_OVERLOAD_FACTOR_TRACKER``) is each rank's own."""
     path = tmp_path / "isolation_target.py"
     path.write_text(ISOLATION_TARGET)
     world = WorldSpec(pp=2, dp=2)
@@ -192,6 +212,9 @@ def test_each_rank_has_its_own_module_state_and_megatron_state(
         assert value["calls_seen_here"] == 1.0, (rank, value)
         assert value["sum"] == 4.0, (rank, value)
         assert value["pp_rank_from_megatron"] == float(result.place.pp_rank), (rank, value)
+        assert value["moe_logging_globals"] >= 1.0, (rank, value)
+        assert value["foreign_seen"] == 0.0, (rank, value)
+        assert value["own_kept"] == value["moe_logging_globals"], (rank, value)
 
 
 # -- faults: an outcome with stacks, nothing left ------------------------------------------------

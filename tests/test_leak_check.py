@@ -1,14 +1,44 @@
 """The leak check names a process by pid and start time: a survivor is found, a reused pid is
-not mistaken for one (pid_max is 32,768 here; a long test module starts thousands)."""
+not mistaken for one (pid_max is 32,768 here; a long test module starts thousands). A test run
+ended by SIGTERM leaves nothing behind either."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from .conftest import assert_nothing_left, process_start
+from pipemetrics.sim.inprocess_world import inprocess_unsupported
+
+from .conftest import (
+    Bounds,
+    Lines,
+    assert_no_leftovers,
+    assert_nothing_left,
+    private_tmpdir,
+    process_start,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+WAITING_TEST = """
+import time
+
+from pipemetrics.sim.layout import WorldSpec
+
+
+def test_holds_a_world(request):
+    pool = request.getfixturevalue("{fixture}")
+    pool.world(WorldSpec(pp=2))
+    print("WORLD-UP", flush=True)
+    time.sleep(3600)
+"""
 
 
 def test_a_survivor_is_found_and_a_reused_pid_is_not() -> None:
@@ -24,3 +54,34 @@ def test_a_survivor_is_found_and_a_reused_pid_is_not() -> None:
         child.wait(timeout=30)
     assert process_start(child.pid) is None or process_start(child.pid) != began
     assert_nothing_left({(child.pid, began)}, set())
+
+
+@pytest.mark.parametrize("fixture", ["pool", "inprocess_pool"])
+def test_a_test_run_ended_by_sigterm_leaves_nothing(fixture: str, bounds: Bounds) -> None:
+    """pytest with this suite's fixtures, holding a live world, and every process it started
+    get SIGTERM (what an outer ``timeout`` sends to its process group): the run ends, and no
+    world directory or process of it survives."""
+    if fixture == "inprocess_pool" and (why := inprocess_unsupported()) is not None:
+        pytest.skip(why)
+    with private_tmpdir() as tmp:
+        test_file = tmp / "test_waiting.py"
+        test_file.write_text(textwrap.dedent(WAITING_TEST.format(fixture=fixture)))
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q", "-s",
+             "-p", "no:cacheprovider", str(test_file)],
+            cwd=REPO, env={**os.environ, "TMPDIR": str(tmp)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )  # fmt: skip
+        try:
+            lines = Lines(child.stdout)  # type: ignore[arg-type]
+            up = lines.wait_for("WORLD-UP", timeout=bounds(3, 120))
+            assert up, "".join(lines.seen)
+            assert list(tmp.glob("pipemetrics-world-*")), "the world's directory is not there"
+            os.killpg(child.pid, signal.SIGTERM)
+            code = child.wait(timeout=bounds(2, 60))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait(timeout=30)
+        assert code != 0, "".join(lines.seen)
+        assert_no_leftovers(tmp)

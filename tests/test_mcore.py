@@ -11,6 +11,7 @@ feature not already held to the classes elsewhere (``tests/test_router_fill.py``
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import inspect
 import json
@@ -123,6 +124,16 @@ def test_construction_features_match_the_imported_classes() -> None:
     assert features.router_attaches_aux_loss == hasattr(
         TopKRouter, "attach_and_log_load_balancing_loss"
     )
+
+
+def test_router_fill_features_match_the_imported_modules() -> None:
+    """What the router fill works around: ``te_general_gemm`` unbound without Transformer Engine
+    (0.13-0.16), and the reset of the routers' global-aux-loss state (0.15+)."""
+    features = installed_features()
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert features.router_gemm_bound_without_te == hasattr(moe_utils, "te_general_gemm")
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    assert features.resets_router_temporaries == hasattr(finalize, "reset_model_temporary_tensors")
 
 
 @pytest.fixture

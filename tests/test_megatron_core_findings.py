@@ -33,7 +33,6 @@ from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import StepRecords
 from pipemetrics.sim.records import router_record as rec
 from pipemetrics.sim.scenario import Scenario, Step, load_scenario, save_scenario
-from pipemetrics.sim.trackers import legacy_tracker
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -139,7 +138,7 @@ FINDINGS: tuple[Finding, ...] = (
 
 def _param(finding: Finding) -> Any:
     marks = []
-    if legacy_tracker():
+    if not installed_features().class_tracker:
         marks.append(
             pytest.mark.skip(
                 reason="the findings are in MoEMetricsTracker's report() and ensure_initialized "

@@ -18,7 +18,6 @@ from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.trackers import mtp_counts_acceptance
 
 from .broken.mutants import MUTANTS, write_mutant
 from .broken.test_mutants_apply import NEEDS_TO_RUN, NEEDS_TO_SHOW
@@ -32,7 +31,7 @@ ACCEPTANCE_MUTANTS = frozenset(
     {"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}
 )
 _NO_COUNTS = pytest.mark.skipif(
-    not mtp_counts_acceptance(),
+    not installed_features().mtp_counts_acceptance,
     reason="the installed megatron-core's MTP tracker has no acceptance counts (0.18): "
     "an acceptance-rate bug cannot show",
 )

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from pipemetrics.sim.trackers import legacy_tracker
+from pipemetrics.sim.mcore import installed_features
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds
@@ -19,7 +19,7 @@ MUTANT = "moe_empty_stage_returns_early"
 #: reduction the reference can call (in the mutant's file).
 SYNC_SITE = re.compile(
     rf"{MUTANT}\.py:\d+ in _sync$"
-    if legacy_tracker()
+    if (not installed_features().class_tracker)
     else r"moe_logging\.py:\d+ in _sync_metrics$",
     re.MULTILINE,
 )

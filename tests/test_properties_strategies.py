@@ -39,7 +39,6 @@ from pipemetrics.sim.records import (
 )
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import broadcast_plan, places_for
-from pipemetrics.sim.trackers import moe_dp_rule
 
 CI = EFFORTS["ci"]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -393,5 +392,7 @@ def test_masked_mtp_layers_stay_reachable(data: st.DataObject) -> None:
     setup = data.draw(s.setups(CI, min_mtp=1))
     records = data.draw(s.synthetic_records(setup, masked_mtp=True))
     places = places_for(setup.world)
-    snapshots = recorded_snapshots(places, records, moe_dp_rule(), setup.layout.mtp_acceptance)
+    snapshots = recorded_snapshots(
+        places, records, installed_features().moe_dp_rule, setup.layout.mtp_acceptance
+    )
     assert tracker_violations(setup, places, snapshots) == []

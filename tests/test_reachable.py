@@ -26,7 +26,6 @@ from pipemetrics.sim.layout import (
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import TrackerSnapshot
 from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.trackers import moe_dp_rule, mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -108,10 +107,14 @@ def test_model_snapshots_equal_megatrons_own_recording(
     run = pool.run(scenario)
     places = {rank: result.place for rank, result in run.ranks.items()}
     real = first_snapshots(run)
-    model = recorded_snapshots(places, records, moe_dp_rule(), setup.layout.mtp_acceptance)
+    model = recorded_snapshots(
+        places, records, installed_features().moe_dp_rule, setup.layout.mtp_acceptance
+    )
     for rank in places:
         mine = model[rank]
-        if not mtp_counts_acceptance() and mine.mtp is not None:  # 0.18 records the loss only
+        if (
+            not installed_features().mtp_counts_acceptance and mine.mtp is not None
+        ):  # 0.18 records the loss only
             mine = mine.model_copy(
                 update={"mtp": mine.mtp.model_copy(update={"correct": None, "total": None})}
             )

@@ -12,10 +12,10 @@ import pytest
 
 from pipemetrics.sim.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
 from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import MtpRecord, StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
-from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -25,7 +25,7 @@ AUX = "load_balancing_loss"
 
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
-    legacy_tracker(),
+    (not installed_features().class_tracker),
     reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 
@@ -124,7 +124,7 @@ def test_mtp_on_the_last_stage(pool: TrackingPool) -> None:
     assert_every_rank(result, {"load_balancing_loss": 0.5 * (0 + 2 + 4) / 3})
     mtp = values(result, call=1)
     assert mtp[0] == {}
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         assert mtp[1] == {"mtp_1_loss": 1.5, "mtp_1_acceptance_rate": 75.0}
     else:  # megatron-core 0.18: the MTP tracker holds the loss only, no acceptance counts
         assert mtp[1] == {"mtp_1_loss": 1.5}

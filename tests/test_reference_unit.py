@@ -32,7 +32,7 @@ from pipemetrics.reference import (
 from pipemetrics.reference import megatron_common as mc
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import MoeRecord
-from pipemetrics.sim.trackers import apply_moe_records, legacy_has_dp_flag, legacy_tracker
+from pipemetrics.sim.trackers import apply_moe_records
 
 from .conftest import set_mtp_tracker
 
@@ -42,7 +42,7 @@ from .conftest import set_mtp_tracker
 get_moe_metrics_tracker = mc.get_moe_metrics_tracker
 
 PER_ENTRY_DP_SETTING = pytest.mark.skipif(
-    legacy_tracker() and not legacy_has_dp_flag(),
+    (not installed_features().class_tracker) and not installed_features().legacy_saver_has_dp_flag,
     reason=(
         "needs a per-entry data-parallel setting (moe_logging's MetricEntry.needs_dp_avg, or "
         "save_to_aux_losses_tracker's reduce_group_has_dp), missing in the installed "
@@ -636,12 +636,12 @@ def test_mtp_megatron_018_layout_reports_loss_only_and_cleans() -> None:
 
 def test_mtp_metrics_through_the_installed_helper() -> None:
     # Filled with whatever save method the installed megatron-core has (0.19: with counts).
-    from pipemetrics.sim.trackers import cpu_current_device, mtp_counts_acceptance, save_mtp
+    from pipemetrics.sim.trackers import cpu_current_device, save_mtp
 
     with cpu_current_device():
         save_mtp(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(4.0), 0, 1)
         out = get_mtp_metrics(0.5)
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         assert out == {"mtp_1_loss": 1.0, "mtp_1_acceptance_rate": 25.0}
     else:
         assert out == {"mtp_1_loss": 1.0}

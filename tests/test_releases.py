@@ -22,6 +22,7 @@ import torch
 from pipemetrics.properties.judges import whole_run
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.oracle import (
     NameReduction,
     moe_metrics_under,
@@ -31,7 +32,6 @@ from pipemetrics.sim.oracle import (
 from pipemetrics.sim.records import EntrySnapshot, MtpRecord, RankPlace, StepRecords
 from pipemetrics.sim.records import router_record as moe
 from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
-from pipemetrics.sim.trackers import legacy_tracker, moe_dp_rule
 from pipemetrics.sim.world import WorldRun
 
 from .conftest import TrackingPool
@@ -56,10 +56,10 @@ RELEASE_DP_RULE = {
 def test_the_detected_tracker_api_and_dp_rule_match_the_release_table() -> None:
     from pipemetrics.reference import megatron_common as mc
 
-    assert legacy_tracker() == LEGACY
+    assert (not installed_features().class_tracker) == LEGACY
     tracker_api = "dict" if LEGACY else "class"
     assert tracker_api == mc._TRACKER_API
-    assert moe_dp_rule() == RELEASE_DP_RULE[MINOR]  # type: ignore[index]
+    assert installed_features().moe_dp_rule == RELEASE_DP_RULE[MINOR]  # type: ignore[index]
     assert mc._is_tested(metadata.version("megatron-core"))
 
 

@@ -46,7 +46,6 @@ from pipemetrics.sim.router_fill import (
 from pipemetrics.sim.trackers import (
     cpu_current_device,
     moe_tracker_entries,
-    mtp_counts_acceptance,
     reset_trackers,
 )
 
@@ -69,7 +68,7 @@ def _class_mtp_layout() -> str:
     ``values``."""
     if "num_tokens" in _class_saver_parameters():
         return "loss_sums"
-    return "loss_values" if mtp_counts_acceptance() else "values"
+    return "loss_values" if installed_features().mtp_counts_acceptance else "values"
 
 
 def _z_loss_record() -> ast.Call:
@@ -318,7 +317,7 @@ def test_dense_mtp_records_mtp_tracker_only(fresh: None) -> None:
         assert tracker["calculate_per_token_loss"] is False and "num_tokens" not in tracker
         assert bool((loss < 3 * 3.5).all())  # three per-token losses in [0.5, 3.5)
     assert bool((loss > 0).all())
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         correct, total = tracker["correct_values"], tracker["total_values"]
         for t in (correct, total):
             assert t.shape == (2,)

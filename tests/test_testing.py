@@ -26,7 +26,7 @@ import pytest
 from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.records import recorded_reduction
-from pipemetrics.sim.trackers import moe_tracker_entries, mtp_counts_acceptance
+from pipemetrics.sim.trackers import moe_tracker_entries
 from pipemetrics.testing import (
     Stage,
     TwoStageError,
@@ -172,7 +172,7 @@ def test_record_mtp_records_as_the_mtp_layer_does() -> None:
         values = mtp_values()
         assert values is not None
         assert values["loss"] == [1.0, 0.5]
-        if mtp_counts_acceptance():
+        if installed_features().mtp_counts_acceptance:
             assert values["correct"] == [4.0, 2.0] and values["total"] == [8.0, 4.0]
         else:  # megatron-core 0.18 counts nothing
             assert set(values) == {"loss"}
@@ -255,7 +255,7 @@ def test_two_stage_world_runs_the_reference_on_a_dense_first_stage(
         assert result["moe"] == {"load_balancing_loss": 0.5}, rank
         assert all(v == 0.0 for values in result["after"][0].values() for v in values), rank
     expected_mtp = {"mtp_1_loss": 0.5}
-    if mtp_counts_acceptance():
+    if installed_features().mtp_counts_acceptance:
         expected_mtp["mtp_1_acceptance_rate"] = 75.0
     assert results[0]["mtp"] == {} and results[1]["mtp"] == expected_mtp
 
@@ -267,9 +267,8 @@ def test_two_stage_world_shows_a_copy_that_skips_collectives_on_the_dense_stage(
     all_reduce; the error names the waiting rank and shows where it waits."""
     if not TOY.read_text(encoding="utf-8").count("moe_logging"):
         pytest.skip("the toy copy reads megatron-core 0.18+'s tracker")
-    from pipemetrics.sim.trackers import legacy_tracker
 
-    if legacy_tracker():
+    if not installed_features().class_tracker:
         pytest.skip("the toy copy reads MoEMetricsTracker (megatron-core 0.18+)")
     timeout = bounds(0.5, 10)  # counted from when both ranks are in the world
     with pytest.raises(TwoStageError) as info:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.commands.cli import main as cli_main
-from pipemetrics.sim.trackers import legacy_tracker, mtp_counts_acceptance
+from pipemetrics.sim.mcore import installed_features
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 from .test_testing import plugin_arguments
@@ -38,7 +38,7 @@ SETS = {
 IMPLEMENTATIONS = ("copy", "vendored")
 
 pytestmark = pytest.mark.skipif(
-    legacy_tracker() or not mtp_counts_acceptance(),
+    (not installed_features().class_tracker) or not installed_features().mtp_counts_acceptance,
     reason="the example's copy reads megatron-core 0.19's trackers (MoEMetricsTracker and the "
     "MTP acceptance counts)",
 )

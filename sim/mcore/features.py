@@ -35,6 +35,7 @@ MOE_LOGGING = "transformer/moe/moe_logging"
 MTP = "transformer/multi_token_prediction"
 LAYER_LAYOUT = "transformer/pipeline_parallel_layer_layout"
 CONFIG = "transformer/transformer_config"
+FINALIZE_GRADS = "distributed/finalize_model_grads"
 
 MtpNumbering = Literal["router_adds_num_layers", "layer_passes_global", "default_layer_number"]
 """How a release numbers the router of a MoE layer inside MTP layer ``k``: ``router_adds_num_layers``
@@ -121,6 +122,13 @@ class InstalledFeatures(BaseModel):
     (0.15+) or ``model_comm_pgs`` (0.13/0.14)."""
     config_has_router_fusion: bool
     """``TransformerConfig`` has the field ``moe_router_fusion`` (0.14+)."""
+    router_gemm_bound_without_te: bool
+    """``moe_utils`` binds ``te_general_gemm`` (to ``None``) when Transformer Engine does not
+    import (0.17+); 0.13-0.16 bind it only from Transformer Engine, so without it
+    ``router_gating_linear`` raises ``NameError``."""
+    resets_router_temporaries: bool
+    """``finalize_model_grads.reset_model_temporary_tensors`` exists (0.15+: routers hold the
+    global-aux-loss token counts between steps; 0.13/0.14 hold nothing to reset)."""
 
     # -- MoE tracker -----------------------------------------------------------------------
     class_tracker: bool
@@ -263,6 +271,20 @@ def _config_has_router_fusion() -> bool:
     )
 
 
+def _router_gemm_bound_without_te() -> bool:
+    tree = installed_tree(MOE_UTILS)
+    if tree is None:
+        return True
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign):
+            continue
+        for target in node.targets:
+            names = target.elts if isinstance(target, ast.Tuple) else [target]
+            if any(isinstance(n, ast.Name) and n.id == "te_general_gemm" for n in names):
+                return True
+    return False
+
+
 def _saver_takes_dp_flag() -> bool:
     saver = parameters(MOE_UTILS, "save_to_aux_losses_tracker")
     return saver is None or "reduce_group_has_dp" in saver
@@ -347,6 +369,9 @@ def read_installed_features() -> InstalledFeatures:
         mtp_router_numbering=_mtp_router_numbering(),
         router_group_keyword=_router_group_keyword(),
         config_has_router_fusion=_config_has_router_fusion(),
+        router_gemm_bound_without_te=_router_gemm_bound_without_te(),
+        resets_router_temporaries=router is None
+        or definition(FINALIZE_GRADS, "reset_model_temporary_tensors") is not None,
         class_tracker=has_module(MOE_LOGGING),
         saver_takes_dp_flag=_saver_takes_dp_flag(),
         report_takes_num_moe_layers=_report_takes_num_moe_layers(),

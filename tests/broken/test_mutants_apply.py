@@ -25,6 +25,7 @@ import torch.distributed as dist
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.reference.megatron_common import get_moe_metrics_tracker
+from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_layout,
     installed_z_loss_nan_at_zero_coeff,
@@ -33,8 +34,6 @@ from pipemetrics.sim.records import MoeRecord
 from pipemetrics.sim.trackers import (
     apply_moe_records,
     cpu_current_device,
-    legacy_has_dp_flag,
-    legacy_tracker,
     reset_trackers,
 )
 
@@ -60,13 +59,13 @@ pytestmark = pytest.mark.usefixtures("fresh_trackers")
 NEEDS_TO_RUN: dict[str, str] = {}
 #: Mutants whose bug cannot show on the installed megatron-core (also those that cannot run).
 NEEDS_TO_SHOW: dict[str, str] = {}
-if legacy_tracker():
+if not installed_features().class_tracker:
     NEEDS_TO_RUN["moe_dp_avg_over_expert_data_group"] = (
         "the mutant hands MoEMetricsTracker._sync_metrics a ProcessGroupCollection; "
         "megatron.core.transformer.moe.moe_logging is missing in the installed megatron-core"
     )
     NEEDS_TO_SHOW.update(NEEDS_TO_RUN)
-    if not legacy_has_dp_flag():
+    if not installed_features().legacy_saver_has_dp_flag:
         NEEDS_TO_SHOW["moe_placeholder_skips_dp_avg"] = (
             "needs a per-entry data-parallel setting (save_to_aux_losses_tracker's "
             "reduce_group_has_dp, or moe_logging's MetricEntry.needs_dp_avg), missing in the "
