@@ -79,9 +79,9 @@ def test_a_test_run_ended_by_sigterm_leaves_nothing(fixture: str, bounds: Bounds
             assert list(tmp.glob("pipemetrics-world-*")), "the world's directory is not there"
             os.killpg(child.pid, signal.SIGTERM)
             code = child.wait(timeout=bounds(2, 60))
+            assert code != 0, "".join(lines.seen)
+            assert_no_leftovers(tmp)  # before the cleanup below could end a survivor
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait(timeout=30)
-        assert code != 0, "".join(lines.seen)
-        assert_no_leftovers(tmp)
