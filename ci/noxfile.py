@@ -9,7 +9,8 @@
 pinned dependencies, then the snapshot archive ``megatron-core-<branch>-<commit>.tar.gz`` from
 ``$PIPEMETRICS_MEGATRON_GIT`` (default ``../shared/megatron-core-git``, beside the checkout)
 installed over it without dependencies (pip would otherwise replace torch and check the
-snapshot's version against pipemetrics' declared range). The session skips, saying where it looked, when no archive is there.
+snapshot's version against pipemetrics' declared range). The session skips, saying where it
+looked, when no archive is there.
 
 ``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub
 workflow runs it on a schedule. torch stays at the pinned default in every session, so the only

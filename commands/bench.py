@@ -36,9 +36,9 @@ from pipemetrics.sim.bench import (
     measure_scaling,
     measure_starts,
     measure_throughput,
-    progress,
     report,
     table,
+    tell,
     warm_forkserver,
 )
 from pipemetrics.sim.hang_detection import markdown_table
@@ -61,7 +61,7 @@ def _timed_command(
             name, **options, report_dir=os.path.join(directory, "report"), json_out=out
         )
         command = child_command(name, args)
-        progress("running: " + " ".join(command[1:]))
+        tell("running: " + " ".join(command[1:]))
         began = time.perf_counter()
         proc = subprocess.Popen(
             command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -85,7 +85,7 @@ def _timed_command(
             )
             return None
         results.outputs[key] = json.loads(Path(out).read_text(encoding="utf-8"))
-    progress(f"pipemetrics {name} ({key}): {elapsed:.1f} s")
+    tell(f"pipemetrics {name} ({key}): {elapsed:.1f} s")
     return elapsed
 
 
@@ -143,13 +143,13 @@ def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
         from pipemetrics.sim.bench_plot import plot
 
         for path in plot(data, Path(plot_dir)):
-            progress(f"wrote {path}")
+            tell(f"wrote {path}")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     plot_dir: str | None = getattr(args, "plot", None)
     if plot_dir and not plotting_available():
-        progress(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
+        tell(f"--plot needs matplotlib, which is not installed: {PLOT_EXTRA}")
         return 2
     from_json: str | None = getattr(args, "from_json", None)
     if from_json:
@@ -172,7 +172,7 @@ def run_bench(args: argparse.Namespace) -> int:
         check_ok = measure_prove(plan, results) and check_ok
         data = report(plan, results, leftovers)
     except BenchError as exc:
-        progress(str(exc))
+        tell(str(exc))
         return 1
     data["details"]["bench_wall_s"] = four_digits(time.perf_counter() - began)
     data["machine"]["loadavg_1min"] = {
@@ -185,7 +185,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for note in results.notes:
         print(f"note: {note}")
     if data["leftovers"]["surviving_pids"] or data["leftovers"]["surviving_dirs"]:
-        progress(f"left behind: {data['leftovers']['surviving_pids']} "
+        tell(f"left behind: {data['leftovers']['surviving_pids']} "
              f"{data['leftovers']['surviving_dirs']}")  # fmt: skip
         return 1
     return 0 if check_ok else 1

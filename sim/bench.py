@@ -30,8 +30,8 @@ use (never against a constant the bench chose):
 ``--plot DIR`` draws the throughput and scaling curves as PNG files (matplotlib, the ``plot``
 extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
 measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips the check
-run of step 7 and proves only two single-rank families, and runs step 6 on three kinds with pipemetrics and DETAIL only, to prove the bench works. Numbers
-are reported, never asserted. Every world is closed and every temporary directory removed.
+run of step 7 and proves only two single-rank families, and runs step 6 on three kinds with
+pipemetrics and DETAIL only, to prove the bench works. Numbers are reported, never asserted. Every world is closed and every temporary directory removed.
 
 What the installed megatron-core cannot run (`tier_unsupported`: the in-process tier on
 0.13-0.17) is left out: its throughput columns, scaling curve and wide call cost are listed under
@@ -318,8 +318,8 @@ def _pid_alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-def progress(message: str) -> None:
-    """One line of the bench's progress, on stderr (stdout carries the tables)."""
+def tell(message: str) -> None:
+    """One line for the user on stderr: progress, warnings, errors (stdout carries the tables)."""
     print(f"pipemetrics bench: {message}", file=sys.stderr, flush=True)
 
 
@@ -621,7 +621,7 @@ class Results:
         """Record that ``key`` is not measured on this release, and say so on stderr."""
         if key not in self.not_measured:
             self.not_measured[key] = why
-            progress(f"{key}: {NOT_MEASURED}: {why}")
+            tell(f"{key}: {NOT_MEASURED}: {why}")
 
 
 def examples_for(size: int, count: int) -> list[Scenario]:
@@ -637,9 +637,7 @@ def warm_forkserver(results: Results, leftovers: Leftovers) -> None:
     with World(pipeline_world(1)) as world:
         leftovers.note(world)
         results.first_forkserver_start_s = world.startup_s
-    progress(
-        f"fork server up, its first (1-rank) world in {results.first_forkserver_start_s:.2f} s"
-    )
+    tell(f"fork server up, its first (1-rank) world in {results.first_forkserver_start_s:.2f} s")
 
 
 def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
@@ -655,7 +653,7 @@ def measure_scaling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             run = measure(pipeline_world(size), examples_for(size, count), leftovers)
             results.scaling.setdefault(tier, {})[size] = run
             results.tier_starts_s.setdefault(tier, {}).setdefault(size, []).extend(run.starts_s)
-            progress(
+            tell(
                 f"{tier} tier, {size} ranks: {run.examples} pooled examples in "
                 f"{run.seconds:.2f} s ({run.rate:.1f}/s), world start {run.starts_s[0]:.2f} s"
             )
@@ -682,7 +680,7 @@ def measure_throughput(plan: Plan, results: Results, leftovers: Leftovers) -> No
                 )
             elif mode.tier is None:
                 results.cold_start_s.setdefault(size, []).extend(run.starts_s)
-            progress(
+            tell(
                 f"{mode.name}, {size} ranks: {run.examples} examples in {run.seconds:.2f} s "
                 f"({run.rate:.3g}/s)"
             )
@@ -721,7 +719,7 @@ def measure_deadlock(plan: Plan, results: Results, leftovers: Leftovers) -> None
                 )
             results.deadlock_ms.append(outcome.latency_ms)
             results.deadlock_run_ms.append(1000.0 * elapsed)
-    progress(
+    tell(
         f"gated deadlock detection: {plan.deadlock_samples} samples, end to end p95 "
         f"{percentile(results.deadlock_run_ms, 95):.2f} ms, reaction p95 "
         f"{percentile(results.deadlock_ms, 95):.2f} ms"
@@ -755,7 +753,7 @@ def measure_cost(plan: Plan, results: Results, leftovers: Leftovers) -> None:
                 raise BenchError(f"call cost (in-process): {exc}") from exc
     for cost in [*results.call_cost, *results.call_cost_wide]:
         timed = "" if cost.steady_ms is None else f", {cost.steady_ms:.2f} ms"
-        progress(
+        tell(
             f"call cost {cost.world_size} ranks, {cost.target}: steady "
             f"{cost.steady.collectives} collectives, {cost.steady.bytes} B{timed}"
         )
@@ -777,7 +775,7 @@ def measure_hang(plan: Plan, results: Results, leftovers: Leftovers) -> None:
             )
         except RuntimeError as exc:
             raise BenchError(f"hang detection: {exc}") from exc
-    progress(
+    tell(
         f"hang detection: {len(plan.hang_kinds)} kinds x {len(plan.hang_tools)} tools in "
         f"{time.perf_counter() - began:.1f} s"
     )

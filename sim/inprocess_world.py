@@ -4,9 +4,9 @@ The controller side of the in-process tier, with the same interface as
 `pipemetrics.sim.world.World` (start, run, close, kill), so `WorldPool` and everything above it
 take either tier. The host is forked from the same preloaded fork server as rank processes and
 owns one private temporary directory (its log and stack dumps); it runs a task to its outcome
-by itself (`pipemetrics.sim.scheduler.run_task`) and answers with its `TaskOutcome`. The controller keeps a hard deadline of its own: a
-host that does not answer (a target holding the interpreter in native code) is killed and the
-run is a timeout.
+by itself (`pipemetrics.sim.scheduler.run_task`) and answers with its `TaskOutcome`. The
+controller keeps a hard deadline of its own: a host that does not answer (a target holding
+the interpreter in native code) is killed and the run is a timeout.
 """
 
 from __future__ import annotations

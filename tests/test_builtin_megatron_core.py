@@ -47,7 +47,7 @@ MOE_PROPERTIES = ("moe.values", "moe.names", "moe.per_layer", "moe.rank_agreemen
 
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
-    (not installed_features().class_tracker),
+    not installed_features().class_tracker,
     reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 

@@ -39,7 +39,7 @@ def _run_script(out: Path, tmp: Path, timeout: float) -> subprocess.CompletedPro
 
 
 @pytest.mark.skipif(
-    (not installed_features().class_tracker),
+    not installed_features().class_tracker,
     reason="the example's toytrainer reads MoEMetricsTracker; "
     "megatron.core.transformer.moe.moe_logging is missing in the installed megatron-core",
 )

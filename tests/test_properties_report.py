@@ -19,7 +19,7 @@ MUTANT = "moe_empty_stage_returns_early"
 #: reduction the reference can call (in the mutant's file).
 SYNC_SITE = re.compile(
     rf"{MUTANT}\.py:\d+ in _sync$"
-    if (not installed_features().class_tracker)
+    if not installed_features().class_tracker
     else r"moe_logging\.py:\d+ in _sync_metrics$",
     re.MULTILINE,
 )

@@ -112,9 +112,8 @@ def test_model_snapshots_equal_megatrons_own_recording(
     )
     for rank in places:
         mine = model[rank]
-        if (
-            not installed_features().mtp_counts_acceptance and mine.mtp is not None
-        ):  # 0.18 records the loss only
+        # 0.18 records the loss only
+        if not installed_features().mtp_counts_acceptance and mine.mtp is not None:
             mine = mine.model_copy(
                 update={"mtp": mine.mtp.model_copy(update={"correct": None, "total": None})}
             )

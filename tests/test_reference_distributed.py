@@ -25,7 +25,7 @@ AUX = "load_balancing_loss"
 
 
 CLASS_TRACKER_ONLY = pytest.mark.skipif(
-    (not installed_features().class_tracker),
+    not installed_features().class_tracker,
     reason="megatron-core 0.18+ only (its report() and MoEMetricsTracker)",
 )
 

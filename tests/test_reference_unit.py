@@ -42,7 +42,7 @@ from .conftest import set_mtp_tracker
 get_moe_metrics_tracker = mc.get_moe_metrics_tracker
 
 PER_ENTRY_DP_SETTING = pytest.mark.skipif(
-    (not installed_features().class_tracker) and not installed_features().legacy_saver_has_dp_flag,
+    not installed_features().class_tracker and not installed_features().legacy_saver_has_dp_flag,
     reason=(
         "needs a per-entry data-parallel setting (moe_logging's MetricEntry.needs_dp_avg, or "
         "save_to_aux_losses_tracker's reduce_group_has_dp), missing in the installed "

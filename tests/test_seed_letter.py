@@ -23,7 +23,7 @@ SEED_LETTER = Path(__file__).resolve().parent / "seed_letter" / "common.py"
 #: reports z_loss = 0.0 in step 1 from the entry Megatron's clear() keeps, as report() would.
 KEPT_Z_LOSS = SEED_LETTER.parent / "kept_z_loss_entry.json"
 NEEDS_CLASS_TRACKER = pytest.mark.skipif(
-    (not installed_features().class_tracker),
+    not installed_features().class_tracker,
     reason="the seed-letter implementation's get_moe_metrics reads MoEMetricsTracker; "
     "megatron.core.transformer.moe.moe_logging is missing in the installed megatron-core",
 )

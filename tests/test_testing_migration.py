@@ -38,7 +38,7 @@ SETS = {
 IMPLEMENTATIONS = ("copy", "vendored")
 
 pytestmark = pytest.mark.skipif(
-    (not installed_features().class_tracker) or not installed_features().mtp_counts_acceptance,
+    not installed_features().class_tracker or not installed_features().mtp_counts_acceptance,
     reason="the example's copy reads megatron-core 0.19's trackers (MoEMetricsTracker and the "
     "MTP acceptance counts)",
 )
