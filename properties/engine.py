@@ -29,6 +29,7 @@ from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import Effort, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.strategies import Semantic
+from pipemetrics.sim.interrupt import raise_if_interrupted
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.scenario import Scenario, save_scenario
 from pipemetrics.sim.summary import layout_picture, what_ranks_did
@@ -190,6 +191,7 @@ def _example_runner(
     prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
+        raise_if_interrupted()
         scenario = scenario.model_copy(
             update={"target": options.target, "property": prop.id, "profile": options.profile}
         )
@@ -277,6 +279,9 @@ def run_property(
         result.status = "error"
         result.message = f"pipemetrics fault: {type(exc).__name__}: {exc}"
         result.details = traceback.format_exc()
+    # A signal that landed inside Hypothesis may have ended the run as a failure, a flaky one
+    # or an error of its own: the command stops instead of reporting it.
+    raise_if_interrupted()
     result.seconds = time.monotonic() - began
     result.examples = state.examples
     if result.status == "pass" and state.failure is not None:

@@ -10,9 +10,14 @@ its worlds. A signal that lands while the garbage collector runs a finalizer (a 
 ``weakref.finalize`` or any weakref callback, such as multiprocessing's ``util.Finalize``) would
 be raised there and discarded by Python ("Exception ignored in ..."), and the command would run
 to its end: `sys.unraisablehook` sees every such discarded exception, and the guard's delivers
-the signal again right after. Later signals are ignored, so they cannot cut that cleanup short
-(it is bounded: a world's `close` takes a few seconds at most). The command then exits with
-``128 + signum``: 130 for SIGINT, 143 for SIGTERM.
+the signal again right after. Code the signal lands in may also catch the `Interrupted` or turn
+it into another exception (Hypothesis does, when it lands inside its own bookkeeping while it
+draws an example; a library that catches ``BaseException`` would): `raise_if_interrupted` is
+a checkpoint where new work begins (each example, each event of a world's run, each property's
+result), which raises it again there, so the command stops all the same. Later signals are
+ignored, so they cannot cut that cleanup short (it is bounded: a world's `close` takes a few
+seconds at most). The command then exits with ``128 + signum``: 130 for SIGINT, 143 for
+SIGTERM.
 
 `stop_child` ends a child process the same way: SIGTERM first (so a ``pipemetrics`` child ends
 its own worlds), SIGKILL after a grace period.
@@ -85,6 +90,16 @@ class SignalGuard:
         self.raised_at = "".join(traceback.format_stack(frame))
         raise Interrupted(signum)
 
+    def raise_again(self) -> None:
+        """Raise `Interrupted` again if a signal arrived and the work goes on (the one raised
+        where the signal landed was caught there); only in the main thread, where it landed."""
+        if (
+            self.received is not None
+            and self._raising
+            and threading.current_thread() is threading.main_thread()
+        ):
+            raise Interrupted(self.received)
+
     def _unraisable(self, unraisable: Any) -> None:
         """An `Interrupted` raised where Python discards exceptions (a ``__del__``, a weakref
         callback run by the garbage collector): deliver the signal again once that returned."""
@@ -131,6 +146,16 @@ def _runs(frame: FrameType | None, code: CodeType) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def raise_if_interrupted() -> None:
+    """A checkpoint where new work begins: under a command's `SignalGuard` (the SIGINT handler
+    installed now), raise `Interrupted` again if a signal arrived whose first `Interrupted` was
+    caught, or turned into another exception, by the code it landed in. Anywhere else (a test
+    session, an adopter's pytest run, a rank) it does nothing."""
+    guard = getattr(signal.getsignal(signal.SIGINT), "__self__", None)
+    if isinstance(guard, SignalGuard):
+        guard.raise_again()
 
 
 def signal_name(signum: int) -> str:

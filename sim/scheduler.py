@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager
 from typing import Literal, Protocol
 
 from pipemetrics.sim.coordinator import Coordinator, Outcome
+from pipemetrics.sim.interrupt import raise_if_interrupted
 from pipemetrics.sim.layout import Frozen
 from pipemetrics.sim.protocol import CollectiveCall, Done, RunMode, Task
 from pipemetrics.sim.records import RankPlace
@@ -194,6 +195,7 @@ def run_task(
         if watchdog is not None:
             watchdog.arm(transport, coordinator, deadline, scenario.deadline_s)
         while not coordinator.all_finished():
+            raise_if_interrupted()
             left = (unwind_until if unwind_until is not None else deadline) - time.monotonic()
             if left <= 0:
                 if unwind_until is None:
@@ -249,6 +251,7 @@ def run_task(
     assert coordinator.outcome is not None
     if dirty:
         transport.kill_ranks()
+    raise_if_interrupted()  # an outcome reached after a signal is not reported
     return TaskOutcome(
         outcome=coordinator.outcome,
         done=done,

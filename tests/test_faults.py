@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -186,6 +187,55 @@ def test_signal_during_shrinking(tmp_path: Path, short_tmp: Path, bounds: Bounds
     ]  # fmt: skip
     output = interrupt(command, short_tmp, bounds, signal.SIGINT, marker="shrinking (at most")
     assert "mtp.keys: fail," not in output, output[-3000:]  # it landed before shrinking ended
+
+
+CAUGHT_WHERE_IT_LANDS = """
+import os, signal, sys, time
+from pipemetrics.commands.cli import run
+from pipemetrics.sim.scenario import Scenario
+
+how = sys.argv.pop(1)
+original = Scenario.model_dump_json
+
+def model_dump_json(self, *args, **kwargs):
+    Scenario.model_dump_json = original  # once: as the first world's first task is sent
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the handler runs in here
+    except KeyboardInterrupt as exc:
+        if how == "converted":
+            raise RuntimeError("bookkeeping broke") from exc
+    return original(self, *args, **kwargs)
+
+Scenario.model_dump_json = model_dump_json
+run()
+"""
+
+
+@pytest.mark.parametrize("how", ["swallowed", "converted"])
+def test_a_signal_caught_where_it_lands_still_stops_the_command(
+    tmp_path: Path, short_tmp: Path, bounds: Bounds, how: str
+) -> None:
+    """Code the signal lands in may catch the `Interrupted` (a library catching BaseException)
+    or turn it into another exception (Hypothesis, when it lands in its own bookkeeping while
+    it draws an example; seen in CI): the command stops at its next checkpoint all the same,
+    reports no result for the property and leaves nothing behind."""
+    script = tmp_path / "caught_where_it_lands.py"
+    script.write_text(CAUGHT_WHERE_IT_LANDS, encoding="utf-8")
+    mutant = write_mutant("mtp_zero_based_keys", tmp_path / "mutants")
+    shm_before = shm_segments()
+    done = run_bounded(
+        [sys.executable, str(script), how, "check", "--impl", str(mutant), "--only", "mtp.keys",
+         "--max-examples", "200", "--database", "none", "--report-dir", str(tmp_path / "report")],
+        cwd=tmp_path, timeout=bounds(6, 300), env=private_env(short_tmp),
+    )  # fmt: skip
+    output = done.stdout
+    assert done.returncode == 128 + signal.SIGINT, output[-4000:]
+    assert "interrupted by SIGINT" in output, output[-4000:]
+    assert "internal error" not in output, output[-4000:]  # it did not run on to the end
+    assert not re.search(r"mtp\.keys: (pass|fail|error)", output), output[-4000:]
+    assert_no_leftovers(short_tmp, bounds(1, 10))
+    assert_clean(set(), short_tmp, shm_before, bounds(1, 15))
 
 
 def test_signal_during_report_writing(tmp_path: Path, short_tmp: Path, bounds: Bounds) -> None:

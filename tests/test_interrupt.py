@@ -6,6 +6,7 @@ The end-to-end behaviour (a signal at each phase of a real command) is in test_f
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import subprocess
@@ -40,6 +41,20 @@ def test_the_first_signal_interrupts_and_later_ones_do_not(how: signal.Signals) 
         time.sleep(0.05)
     assert guard.received == how and guard.exit_code == 128 + how
     assert signal.getsignal(how) == before
+
+
+def test_a_checkpoint_raises_a_signal_again_that_the_code_it_landed_in_caught() -> None:
+    interrupt.raise_if_interrupted()  # outside a command: nothing to do
+    with SignalGuard() as guard:
+        interrupt.raise_if_interrupted()  # no signal yet: nothing raised
+        with contextlib.suppress(KeyboardInterrupt):  # a library catching BaseException
+            signal_and_wait(signal.SIGINT)
+        with pytest.raises(Interrupted) as again:
+            interrupt.raise_if_interrupted()
+        assert again.value.exit_code == 128 + signal.SIGINT
+        guard.stop_raising()  # the command's work is done: its checkpoints are past
+        interrupt.raise_if_interrupted()
+    interrupt.raise_if_interrupted()  # the guard is gone: a no-op again
 
 
 class SignalledWhileCollected:
