@@ -101,7 +101,9 @@ def _check_socket_room() -> None:
 
 
 def start_forkserver() -> None:
-    """Start this process's fork server (`fork_context`'s) unless it runs.
+    """Start this process's fork server unless it runs, preloading what `fork_context` names
+    (a server started without, kept for the process's life, would make every later rank import
+    torch and megatron-core itself).
 
     Fails clearly when its socket would not fit under TMPDIR. SIGINT and SIGTERM are held back
     while it is spawned: one landing between the spawn and multiprocessing's recording of its
@@ -110,6 +112,7 @@ def start_forkserver() -> None:
     back, the signal arrives once `stop_forkserver` can end it. Spawning does not wait for the
     preload, so the hold is brief.
     """
+    fork_context()
     _check_socket_room()
     with signals_held():
         forkserver.ensure_running()

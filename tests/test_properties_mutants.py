@@ -1,7 +1,9 @@
 """Every deliberately broken implementation of tests/broken fails the properties it names.
 
-Each mutant is written as a .py path target and checked in a subprocess restricted (``--only``)
-to the properties it must fail, with a hard timeout and leftover checks.
+Each mutant is written as a .py path target and checked (``--only``) on the properties it must
+fail, inside the test's process (`check_here`: a hard bound and leftover checks, without an
+interpreter and fork server started per run; the CLI around it is tested in
+test_properties_runner.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .broken.mutants import MUTANTS, write_mutant
 from .broken.test_mutants_apply import NEEDS_TO_RUN, NEEDS_TO_SHOW
 from .conftest import Bounds
 from .test_pipeline_layout import NEEDS_STANDALONE_MTP as STANDALONE_MTP_REFUSED
-from .test_properties_runner import check
+from .test_properties_runner import check_here
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
 #: counts (megatron-core 0.18) there is no rate to get wrong, so they cannot fail there.
@@ -140,7 +142,7 @@ def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) 
     """The check fails each named property, and replaying each failure file judges the same."""
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
-    code, data, output = check(
+    code, data, output = check_here(
         tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
         "--hypothesis-profile", HYPOTHESIS_PROFILES.get(name, "dev"),
         "--max-examples", str(EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
@@ -185,7 +187,7 @@ def test_the_generators_before_its_class_miss_the_mutant(
     path = write_mutant(name, tmp_path / "mutants")
     without = [arg for cls in mutant.caught_by_classes for arg in ("--without-class", cls)]
     tier = "process" if inprocess_unsupported() is not None else "inprocess"
-    code, data, output = check(
+    code, data, output = check_here(
         tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
         "--hypothesis-profile", HYPOTHESIS_PROFILES.get(name, "dev"),
         "--max-examples", str(EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",

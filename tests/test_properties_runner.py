@@ -1,25 +1,34 @@
 """``pipemetrics check`` end to end, in subprocesses with hard wall-clock bounds.
 
 Every run gets its own TMPDIR so that the test can assert afterwards that no world directory
-and no process of the run is left behind.
+and no process of the run is left behind. `check_here` runs the same command inside the test's
+process, for suites of many runs whose subject is the verdicts rather than the process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import signal
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pipemetrics.commands.check import run_check
+from pipemetrics.commands.parser import build_parser
 from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
+from pipemetrics.sim.world import start_forkserver
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
+from .test_faults import descendants, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
@@ -51,6 +60,68 @@ def check(
         assert_no_leftovers(tmp, bounds(1, 10))
     data = json.loads(out.read_text()) if out.exists() else None
     return proc.returncode, data, proc.stdout
+
+
+class CheckTimedOut(BaseException):
+    """`check_here` ran past its bound (not an `Exception`: nothing on the way up, Hypothesis
+    included, mistakes it for a property's failure)."""
+
+
+def check_here(
+    tmp_path: Path, *args: str, bounds: Bounds
+) -> tuple[int, dict[str, Any] | None, str]:
+    """`check` inside this process: the same command (`run_check`, the arguments parsed by the
+    CLI's parser) and report files, without an interpreter and a fork server started for each
+    run (its worlds fork from this process's fork server, warm after the first run: about 4 s
+    less a run). Bounded like `check`: past the bound SIGALRM ends the run (its pools close
+    their worlds on the way up) and the test fails. Its worlds live in a temp dir of their own;
+    afterwards nothing is left there and no process the run started runs (the fork server and
+    its resource tracker are this process's, shared with every pool)."""
+    out = tmp_path / "report.json"
+    parsed = build_parser().parse_args(
+        ["check", "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args]
+    )
+    bound = bounds(42, 420)
+    start_forkserver()  # before the private temp dir: its socket's directory outlives the run
+    processes = descendants(os.getpid())
+    text = io.StringIO()
+
+    def timed_out(signum: int, frame: object) -> None:
+        raise CheckTimedOut(f"pipemetrics check ran past its bound of {bound:.0f} s")
+
+    def started() -> set[int]:
+        return descendants(os.getpid()) - processes - multiprocessing_servers()
+
+    with private_tmpdir() as tmp:  # the run's world directories, and nobody else's
+        previous = signal.signal(signal.SIGALRM, timed_out)
+        tempfile.tempdir, previous_tempdir = str(tmp), tempfile.tempdir
+        signal.setitimer(signal.ITIMER_REAL, bound)
+        try:
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                code = run_check(parsed)
+        except CheckTimedOut as exc:
+            pytest.fail(f"{exc}:\n{text.getvalue()[-4000:]}")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            tempfile.tempdir = previous_tempdir
+            signal.signal(signal.SIGALRM, previous)
+        wait_for(lambda: not started() and not any(tmp.iterdir()), bounds(1, 10))
+        assert not started(), f"processes left behind: {sorted(started())}"
+        assert not any(tmp.iterdir()), f"left behind: {sorted(p.name for p in tmp.iterdir())}"
+    data = json.loads(out.read_text()) if out.exists() else None
+    return code, data, text.getvalue()
+
+
+def multiprocessing_servers() -> set[int]:
+    """This process's multiprocessing fork server and resource tracker, those that run: they
+    serve every later world of this process."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {
+        getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None),
+        getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None),
+    }
+    return {pid for pid in pids if isinstance(pid, int)}
 
 
 def statuses(data: dict[str, Any]) -> dict[str, str]:

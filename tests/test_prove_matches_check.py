@@ -5,9 +5,11 @@ a function the bug is in; and the reference and the false-positive control (test
 implementation to the letter of the API document, which needs megatron-core's MoEMetricsTracker:
 0.18+) are proven there.
 
-These run the default bound in full (the two proofs) or up to the first failing case (the
-mutants; cases run smallest world first), on the in-process tier: where the installed
-megatron-core does not allow it (0.13-0.17), on the process tier.
+These run the default bound in full (the two proofs) or, for a mutant, its families that
+concern a function the bug is in, up to the first failing case (smallest world first); that
+case is one of the default bound's, so the default bound is disproven too (a proof of it runs
+every case). On the in-process tier: where the installed megatron-core does not allow it
+(0.13-0.17), on the process tier.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.prove import Bound, prove
+from pipemetrics.properties.prove_families import FAMILIES, enumerate_cases
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.pool import Tier, WorldPool
 from pipemetrics.sim.target import API_FUNCTIONS
@@ -54,9 +57,13 @@ def test_prove_disproves_every_mutant_that_check_detects(
     mutant = MUTANTS[name]
     path = write_mutant(name, tmp_path / "mutants")
     every = frozenset(API_FUNCTIONS)  # a mutant is the reference with one bug: all five
-    cert = prove(str(path), Bound(profile=mutant.profile), tier=TIER, functions=every,
-                 pool=worlds, report_dir=tmp_path / "r")  # fmt: skip
-    assert not cert.proven and cert.failure is not None, f"{name}: proven at the default bound"
+    concerning = tuple(f.name for f in FAMILIES if set(f.functions) & set(mutant.functions))
+    bound = Bound(profile=mutant.profile, families=concerning)
+    cert = prove(str(path), bound, tier=TIER, functions=every, pool=worlds,
+                 report_dir=tmp_path / "r")  # fmt: skip
+    assert not cert.proven and cert.failure is not None, f"{name}: proven at {bound.describe()}"
+    default_bound = {case.key for case in enumerate_cases(Bound(profile=mutant.profile))}
+    assert cert.failure.case in default_bound, cert.failure.case
     concerned = {f for p in cert.failure.properties for f in BY_ID[p].functions}
     assert concerned & set(mutant.functions), (cert.failure.case, cert.failure.properties)
     if mutant.sim_outcome is not None:  # a hang or crash: its case replays on the process tier

@@ -523,6 +523,35 @@ def test_a_legacy_layout_steps_key_is_ignored() -> None:
     assert "steps" not in layout.model_dump()
 
 
+def test_a_fork_server_started_on_its_own_preloads_the_rank_code(bounds: Bounds) -> None:
+    """`start_forkserver` called before any world (a test helper, the probe) starts the server
+    every later world of the process forks from: it must preload torch, megatron-core and the
+    rank code, or each rank imports them itself (seconds a rank, for the process's life)."""
+    script = textwrap.dedent(
+        """
+        from multiprocessing import forkserver
+        from pipemetrics.sim.world import PRELOAD, start_forkserver, stop_forkserver
+        start_forkserver()
+        pid = forkserver._forkserver._forkserver_pid
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            command = handle.read().decode()
+        stop_forkserver()
+        print("preloads", all(repr(name) in command for name in PRELOAD))
+        """
+    )
+    with private_tmpdir() as tmp:
+        result = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=bounds(3, 60),
+            env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"},
+        )
+        assert_no_leftovers(tmp)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "preloads True" in result.stdout, result.stdout
+
+
 def test_a_world_starts_after_the_fork_server_was_stopped(bounds: Bounds) -> None:
     """`stop_forkserver` (what every CLI command does at its end, also when called in-process)
     forgets the server, so the next world of the process starts a new one. In its own process:
