@@ -539,15 +539,7 @@ def test_a_fork_server_started_on_its_own_preloads_the_rank_code(bounds: Bounds)
         print("preloads", all(repr(name) in command for name in PRELOAD))
         """
     )
-    with private_tmpdir() as tmp:
-        result = subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            timeout=bounds(3, 60),
-            env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"},
-        )
-        assert_no_leftovers(tmp)
+    result = run_script(script, bounds(3, 60))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "preloads True" in result.stdout, result.stdout
 
@@ -567,13 +559,20 @@ def test_a_world_starts_after_the_fork_server_was_stopped(bounds: Bounds) -> Non
         print("two worlds")
         """
     )
+    result = run_script(script, bounds(6, 120))
+    assert result.returncode == 0 and "two worlds" in result.stdout, result.stderr[-3000:]
+
+
+def run_script(script: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a Python process of its own with a private TMPDIR, bounded by
+    ``timeout``; assert that it left nothing there."""
     with private_tmpdir() as tmp:
         result = subprocess.run(
             [sys.executable, "-c", script],
             capture_output=True,
             text=True,
-            timeout=bounds(6, 120),
+            timeout=timeout,
             env={**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1"},
         )
         assert_no_leftovers(tmp)
-    assert result.returncode == 0 and "two worlds" in result.stdout, result.stderr[-3000:]
+    return result
