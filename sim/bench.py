@@ -31,7 +31,8 @@ use (never against a constant the bench chose):
 extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
 measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips the check
 run of step 7 and proves only two single-rank families, and runs step 6 on three kinds with
-pipemetrics and DETAIL only, to prove the bench works. Numbers are reported, never asserted. Every world is closed and every temporary directory removed.
+pipemetrics and DETAIL only, to prove the bench works. Numbers are reported, never asserted.
+Every world is closed and every temporary directory removed.
 
 What the installed megatron-core cannot run (`tier_unsupported`: the in-process tier on
 0.13-0.17) is left out: its throughput columns, scaling curve and wide call cost are listed under
