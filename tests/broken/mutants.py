@@ -311,8 +311,9 @@ _MUTANTS: list[Mutant] = [
                 "num_layers if num_layers is not None and names else 0",
             ),
             (
-                "tracker.ensure_initialized(name, lengths[name], device=on)",
-                "tracker.ensure_initialized(name, num_layers or lengths[name], device=on)",
+                "_align_entries(tracker, local, lengths, settings,",
+                "_align_entries(tracker, local, {n: num_layers or k for n, k in lengths.items()}, "
+                "settings,",
             ),
             (
                 "        entry = tracker.metrics[name]\n"
@@ -515,7 +516,8 @@ _MUTANTS: list[Mutant] = [
         edits=(
             (
                 "    for rank, d in zip(ranks, gathered, strict=True):\n",
-                "    for rank, d in ((me, desc),):  # each rank checks its own buffer\n",
+                "    me = dist.get_rank()\n"
+                "    for rank, d in ((me, gathered[ranks.index(me)]),):  # its own buffer only\n",
             ),
         ),
         fails=("broadcast.errors_everywhere",),
