@@ -22,6 +22,7 @@ has, never by its version string):
     import guard (picks the tracker API)   x     x     x       x        x     x     x    x
     _LegacyTracker: the dict tracker       x     x     x       x
       its reduce_group_has_dp flag                             x
+      its clear puts the groups back       x
     _sync: the reduction written out       x     x     x       x
     _get_group: no check_initialized       x     x
     _router_canonical: z_loss, no groups   x     x     x       x        x                x
@@ -30,7 +31,10 @@ has, never by its version string):
     MTP layout ``loss_sums`` (per token)                                                 x
 
 ``main`` and ``dev`` are the megatron-core git snapshots the suite tests (main reports 0.20.0,
-dev 0.19.0). `_reduce_mtp_tracker` reduces a layout the installed release does not write.
+dev 0.19.0). `_reduce_mtp_tracker` and `_clean_mtp_tracker` reduce and clean a layout the
+installed release does not write. Trackers are read, reduced, cleared and cleaned through
+megatron-core's own API wherever the installed release has a right one; each place that does
+the work itself says why.
 
 On the pinned release (0.19.2) only the import guard, the ``loss_values`` layout and the
 first lines of `_router_canonical`, `_get_group` and `_sync` run below the seam.
@@ -868,7 +872,9 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     reduced loss (per-token mode: summed loss over summed tokens, as dev's ``track_mtp_metrics``
     logs it) and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)`` clamped to
     ``[0, 100]`` (never scaled), where the tracker holds acceptance counts (`_mtp_counts`); all
-    Python floats. The tracker is cleaned afterwards (`_clean_mtp_tracker`).
+    Python floats. The tracker is cleaned afterwards (`_clean_mtp`): by the installed helper's
+    own clean (``clean_metrics_in_tracker`` on 0.19-0.20 and main; ``clean_loss_in_tracker`` on
+    0.13-0.18 and for dev's per-token layout) wherever it wrote the layout.
     """
     tracker = MTPLossLoggingHelper.tracker
     layout, problem = _classify_mtp(tracker)
@@ -880,7 +886,8 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     loss_key = layout.loss_key
     scale = _loss_scale_value(loss_scale)
     release = _writer_release(tracker, layout)
-    if distributed and release == _installed_mtp_release():  # the helper wrote this layout
+    own_layout = release == _installed_mtp_release()  # the installed helper wrote this layout
+    if distributed and own_layout:
         for reduce_name in _MTP_REDUCERS[release]:
             getattr(MTPLossLoggingHelper, reduce_name)()
     else:
@@ -894,7 +901,7 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
             corrects, totals = counts
             rate = 100.0 * float(corrects[i]) / max(float(totals[i]), 1.0)
             result[f"mtp_{i + 1}_acceptance_rate"] = min(max(rate, 0.0), 100.0)
-    _clean_mtp_tracker(tracker)
+    _clean_mtp(tracker, layout, own_layout)
     if scale is None:  # raised after the reduction: the other holders are not left waiting
         raise ValueError(
             "get_mtp_metrics: loss_scale must be a real number, a numpy scalar or a one-element "
@@ -1043,14 +1050,20 @@ def _mtp_counts(
     return (corrects, totals) if counted else None
 
 
-def _clean_mtp_tracker(tracker: dict[str, Any]) -> None:
-    """Clean the tracker as every release's clean does: its loss and count tensors zeroed,
-    ``reduce_group`` and ``avg_group`` set to ``None``."""
-    for key in _MTP_CLEANED:
-        if key in tracker:
-            tracker[key].zero_()
-    tracker["reduce_group"] = None
-    tracker["avg_group"] = None
+def _clean_mtp(tracker: dict[str, Any], layout: _MtpLayout, own_layout: bool) -> None:
+    """Clean the tracker after logging. Where the installed helper wrote this layout, through
+    the helper's own clean for it (`_MTP_CLEANERS`: what its ``track_mtp_metrics`` calls), so a
+    key a later release adds is cleaned by upstream and a test observing the call sees it.
+    Otherwise (a layout another release writes: only in tests and simulations) upstream's clean
+    is wrong for it, and the reference cleans it itself (`_clean_mtp_tracker`): dev's
+    ``clean_metrics_in_tracker`` leaves ``loss_sums``, ``num_tokens`` and ``values``, 0.19's
+    leaves dev's ``acceptance_counts``, 0.13-0.18's ``clean_loss_in_tracker`` raises
+    ``KeyError`` without ``values``. For every layout a release writes, both leave the same
+    tracker (tests/test_reference_upstream.py)."""
+    if own_layout:
+        getattr(MTPLossLoggingHelper, _MTP_CLEANERS[layout.marker])()
+    else:
+        _clean_mtp_tracker(tracker)
 
 
 # ================================================================================ RELEASE SEAM
@@ -1076,6 +1089,7 @@ _TRACKER_APIS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
         (
             (_MOE_UTILS, "get_moe_layer_wise_logging_tracker"),
             (_MOE_UTILS, "reduce_aux_losses_tracker_across_ranks"),
+            (_MOE_UTILS, "clear_aux_losses_tracker"),
         ),
     ),
 )
@@ -1278,11 +1292,15 @@ class _LegacyTracker:
         self.raw[name] = entry
 
     def clear(self) -> None:
-        """Zero every entry's values, keeping entries and groups (what 0.14-0.17's
-        ``clear_aux_losses_tracker`` does; 0.13's also forgets the groups, which would make
-        every call after it look like a changed tracker)."""
-        for entry in self.raw.values():
-            entry["values"].zero_()
+        """Zero every entry's values, keeping entries and groups: the release's own
+        ``clear_aux_losses_tracker``, which does exactly that on 0.14-0.17. 0.13's also sets
+        every entry's ``reduce_group`` and ``avg_group`` to ``None``, which would make every
+        call after it look like a changed tracker (a metadata round in every step) and drop the
+        groups `get_moe_metrics` gave the entries it created: they are put back."""
+        groups = [(e, e.get("reduce_group"), e.get("avg_group")) for e in self.raw.values()]
+        self._moe_utils.clear_aux_losses_tracker()
+        for entry, reduce_group, avg_group in groups:
+            entry["reduce_group"], entry["avg_group"] = reduce_group, avg_group
 
 
 _LEGACY_TRACKERS: list[_LegacyTracker] = []
@@ -1418,6 +1436,16 @@ _MTP_REDUCERS: dict[str, tuple[str, ...]] = {
     "megatron-core 0.19-0.20": ("reduce_metrics_in_tracker",),
     "megatron-core 0.13-0.18": ("reduce_loss_in_tracker",),
 }
+#: The helper's method that cleans a layout, by the key that marks it: what the writing
+#: release's ``track_mtp_metrics`` calls after logging (dev's training path:
+#: ``clean_loss_in_tracker``; 0.19-0.20, main and dev's ``save_metrics_to_tracker`` path:
+#: ``clean_metrics_in_tracker``; 0.13-0.18, which have no ``clean_metrics_in_tracker``:
+#: ``clean_loss_in_tracker``).
+_MTP_CLEANERS: dict[str, str] = {
+    "loss_sums": "clean_loss_in_tracker",
+    "loss_values": "clean_metrics_in_tracker",
+    "values": "clean_loss_in_tracker",
+}
 #: The tensors a clean zeroes (every release's clean zeroes those of its layout).
 _MTP_CLEANED = (
     "loss_sums",
@@ -1516,3 +1544,13 @@ def _reduce_mtp_tracker(tracker: dict[str, Any], distributed: bool) -> None:
     for key in ("correct_values", "total_values"):
         if key in tracker:
             reduce(tracker[key], ("reduce_group", sum_), ("avg_group", sum_))
+
+
+def _clean_mtp_tracker(tracker: dict[str, Any]) -> None:
+    """Clean the tracker as every release's clean does for its own layout: its loss and count
+    tensors zeroed, ``reduce_group`` and ``avg_group`` set to ``None``."""
+    for key in _MTP_CLEANED:
+        if key in tracker:
+            tracker[key].zero_()
+    tracker["reduce_group"] = None
+    tracker["avg_group"] = None

@@ -146,9 +146,9 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    for key in _MTP_CLEANED:\n",
+                "    _clean_mtp(tracker, layout, own_layout)\n",
                 "    get_moe_metrics_tracker().clear()  # a new step starts: reset every tracker\n"
-                "    for key in _MTP_CLEANED:\n",
+                "    _clean_mtp(tracker, layout, own_layout)\n",
             ),
         ),
         fails=("steps.interleaved",),
@@ -760,12 +760,11 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    if distributed and release == _installed_mtp_release():  # the helper wrote "
-                "this layout\n",
+                "    if distributed and own_layout:\n",
                 "    logging_rank = distributed and dist.get_rank() == dist.get_world_size() - 1\n"
                 "    if distributed and not logging_rank:  # only the rank that logs needs them\n"
                 "        pass\n"
-                "    elif distributed and release == _installed_mtp_release():\n",
+                "    elif distributed and own_layout:\n",
             ),
         ),
         fails=("mtp.no_hang",),
@@ -782,11 +781,7 @@ _MUTANTS: list[Mutant] = [
         ),
         edits=(
             (
-                "    for key in _MTP_CLEANED:\n"
-                "        if key in tracker:\n"
-                "            tracker[key].zero_()\n"
-                '    tracker["reduce_group"] = None\n'
-                '    tracker["avg_group"] = None\n',
+                "    _clean_mtp(tracker, layout, own_layout)\n",
                 "    # Megatron's training loop cleans the tracker after logging\n",
             ),
         ),
