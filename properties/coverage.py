@@ -17,6 +17,7 @@ from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, Tr
 from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.world import WorldRun
 
 RARE: tuple[str, ...] = (
     "stage_without_moe",
@@ -106,6 +107,7 @@ def broadcast_features(call: BroadcastCall, world: WorldSpec) -> list[str]:
         found.append("empty")
     if call.non_contiguous:
         found.append("non_contiguous")
+        found.append("strided_source" if call.strided else "transposed_source")
     if call.source_passes_none:
         found.append("source_none")
     if call.buffers:
@@ -260,6 +262,39 @@ def features(scenario: Scenario) -> list[str]:
     return found
 
 
+WIRED_WORDS: dict[str, str] = {
+    "absent": "the target defines no get_aux_loss_track_names",
+    "raised": "its get_aux_loss_track_names raised or returned no list of names",
+    "not_mirrored": "its names are not the router's (outside strict the document promises "
+    "nothing for them)",
+}
+"""Why a trainer-wired call passed the router's names (`ComposedStatus`), in words."""
+
+
+def wired_features(run: WorldRun) -> list[str]:
+    """``wired:STATUS`` for every trainer-wired ``get_moe_metrics`` call of a run, by the
+    `ComposedStatus` of its lowest rank (``wired:composed``: the target's own names passed)."""
+    found = []
+    for result in run.ranks.values():
+        if result.done is None:
+            continue
+        for report in result.done.reports:
+            if report.composed is not None:
+                found.append(f"wired:{report.composed.status}")
+    return found
+
+
+def wired_notes(counts: Counter[str]) -> list[str]:
+    """One line for each reason trainer-wired calls were not made as wired (the router's names
+    passed instead), with the number of scenarios."""
+    return [
+        f"the trainer-wired get_moe_metrics form was skipped in {counts[f'wired:{status}']} "
+        f"scenario(s): {words}; the router's names were passed instead"
+        for status, words in WIRED_WORDS.items()
+        if counts.get(f"wired:{status}")
+    ]
+
+
 class Coverage:
     """Counts of traits over every scenario run.
 
@@ -275,6 +310,11 @@ class Coverage:
     def add(self, scenario: Scenario) -> None:
         self.scenarios += 1
         self.counts.update(set(features(scenario)))
+
+    def add_run(self, run: WorldRun) -> None:
+        """Count what the ranks did that the scenario alone does not say: how each
+        trainer-wired ``get_moe_metrics`` call was made (`wired_features`)."""
+        self.counts.update(set(wired_features(run)))
 
     def merge(self, data: dict[str, Any]) -> None:
         self.scenarios += int(data.get("scenarios", 0))
@@ -293,4 +333,5 @@ class Coverage:
                 name for name in self.classes if not self.counts.get(f"class:{name}")
             ],
             "counts": dict(sorted(counts.items())),
+            "notes": wired_notes(self.counts),
         }

@@ -201,6 +201,7 @@ def _example_runner(
             run = pool.run(scenario)
         except WorldStartError as exc:
             raise HarnessFault(f"could not start a world: {exc}") from exc
+        coverage.add_run(run)
         problems = prop.judge(scenario, run)
         if problems:
             if state.found_at is None:

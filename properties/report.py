@@ -163,6 +163,8 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
             f"  WARNING: never generated (by the properties that ran): "
             f"{', '.join(coverage['never_seen'])}\n"
         )
+    for note in coverage.get("notes", []):
+        out.write(f"  NOTE: {note}\n")
 
 
 def _fence(text: str, lang: str = "") -> str:
