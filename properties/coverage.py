@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from pipemetrics.properties.combinations import COMBINATIONS, present_combinations
 from pipemetrics.properties.effort import GENERATOR_CLASSES, is_wide
 from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
 from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
@@ -259,6 +260,7 @@ def features(scenario: Scenario) -> list[str]:
     if any(len(sources) > 1 for sources in step_sources(scenario)):
         found.append("several_sources")
     found += [f"class:{name}" for name in sorted(generator_classes(scenario))]
+    found += [f"combination:{name}" for name in present_combinations(scenario)]
     return found
 
 
@@ -311,6 +313,10 @@ class Coverage:
         self.scenarios += 1
         self.counts.update(set(features(scenario)))
 
+    def expect(self, combination: str, floor: int) -> None:
+        """A property that runs ``floor`` scenarios of ``combination`` first is about to run."""
+        self.counts[f"floor:{combination}"] += floor
+
     def add_run(self, run: WorldRun) -> None:
         """Count what the ranks did that the scenario alone does not say: how each
         trainer-wired ``get_moe_metrics`` call was made (`wired_features`)."""
@@ -334,4 +340,17 @@ class Coverage:
             ],
             "counts": dict(sorted(counts.items())),
             "notes": wired_notes(self.counts),
+            "combinations": {
+                c.name: {
+                    "count": self.counts.get(f"combination:{c.name}", 0),
+                    "floor": self.counts.get(f"floor:{c.name}", 0),
+                }
+                for c in COMBINATIONS
+            },
+            "combinations_below_floor": [
+                c.name
+                for c in COMBINATIONS
+                if self.counts.get(f"combination:{c.name}", 0)
+                < self.counts.get(f"floor:{c.name}", 0)
+            ],
         }
