@@ -11,15 +11,17 @@ Semantic profiles:
 * ``seed``: the documented contract and nothing more. Means are over the tracker's entries
   (``D = num_layers + mtp_num_layers``); hang freedom is required where the document promises it
   (the pre-initialising call, or every rank holding every name); behaviour the document leaves
-  open (the name list's z-loss entry, non-contiguous sources, what the other ranks do when one
-  rank's broadcast input is invalid, arguments that do not mirror what the router records) is
-  not judged.
+  open (whether the name list holds the z-loss, what the other ranks do when one rank's
+  broadcast input is invalid, arguments that do not mirror what the router records) is not
+  judged. ``get_moe_metrics`` is also called as trainers wire it, ``track_names`` from the
+  target's own ``get_aux_loss_track_names`` ("callers should derive it via
+  get_aux_loss_track_names(model_config)"), and the end result is judged; every input the
+  documented types admit is generated (``broadcast_tensor``: non-contiguous sources too).
 * ``megatron``: ``seed`` with Megatron's ``report()`` normalisation (means over the number of MoE
   layers, passed as ``num_moe_layers``).
 * ``strict``: ``seed`` plus the guarantees of pipemetrics' reference: collective safety for every
   argument form (partial or absent ``track_names``, ``num_layers=None``), errors raised on every
-  rank, non-contiguous sources, z-loss in the name list, ``loss_scale`` in every form trainers
-  pass.
+  rank, z-loss in the name list, ``loss_scale`` in every form trainers pass.
 
 ``loss_scale`` forms (generator class ``argument_forms``), decided by `DOC_LOSS_SCALE_TYPE`: the
 document types ``loss_scale: float`` and does not bound it, so every profile passes a Python
@@ -178,13 +180,14 @@ CATALOGUE: tuple[Property, ...] = (
     Property(
         "track_names.router_parity",
         "get_aux_loss_track_names",
-        "the load-balancing names megatron-core's TopKRouter records for the config, in "
-        "recording order, and z_loss only where it records one (strict: z_loss too, first, "
-        "whenever moe_z_loss_coeff is set)",
+        "the load-balancing names megatron-core's TopKRouter records for the config, every "
+        "name returned in recording order (a returned z_loss first), and z_loss only where it "
+        "records one (strict: z_loss too, first, whenever moe_z_loss_coeff is set)",
         '"Returns the aux-loss tracker names the router records for a model config." / '
         '"Aux-loss tracker names to pre-initialize, in the order Megatron records them. Empty '
-        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open; a '
-        "z_loss the router does not record, without moe_z_loss_coeff, is never one of them)",
+        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open, '
+        "its place when returned is not: the router records it first; a z_loss the router does "
+        "not record, without moe_z_loss_coeff, is never one of them)",
         lambda p, _: s.track_names_scenarios(p),
         j.checked(j.track_names_parity),
     ),

@@ -11,12 +11,14 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from pipemetrics.properties.combinations import COMBINATIONS, present_combinations
 from pipemetrics.properties.effort import GENERATOR_CLASSES, is_wide
 from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
 from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.world import WorldRun
 
 RARE: tuple[str, ...] = (
     "stage_without_moe",
@@ -106,6 +108,7 @@ def broadcast_features(call: BroadcastCall, world: WorldSpec) -> list[str]:
         found.append("empty")
     if call.non_contiguous:
         found.append("non_contiguous")
+        found.append("strided_source" if call.strided else "transposed_source")
     if call.source_passes_none:
         found.append("source_none")
     if call.buffers:
@@ -257,7 +260,41 @@ def features(scenario: Scenario) -> list[str]:
     if any(len(sources) > 1 for sources in step_sources(scenario)):
         found.append("several_sources")
     found += [f"class:{name}" for name in sorted(generator_classes(scenario))]
+    found += [f"combination:{name}" for name in present_combinations(scenario)]
     return found
+
+
+WIRED_WORDS: dict[str, str] = {
+    "absent": "the target defines no get_aux_loss_track_names",
+    "raised": "its get_aux_loss_track_names raised or returned no list of names",
+    "not_mirrored": "its names are not the router's (outside strict the document promises "
+    "nothing for them)",
+}
+"""Why a trainer-wired call passed the router's names (`ComposedStatus`), in words."""
+
+
+def wired_features(run: WorldRun) -> list[str]:
+    """``wired:STATUS`` for every trainer-wired ``get_moe_metrics`` call of a run, by the
+    `ComposedStatus` of its lowest rank (``wired:composed``: the target's own names passed)."""
+    found = []
+    for result in run.ranks.values():
+        if result.done is None:
+            continue
+        for report in result.done.reports:
+            if report.composed is not None:
+                found.append(f"wired:{report.composed.status}")
+    return found
+
+
+def wired_notes(counts: Counter[str]) -> list[str]:
+    """One line for each reason trainer-wired calls were not made as wired (the router's names
+    passed instead), with the number of scenarios."""
+    return [
+        f"the trainer-wired get_moe_metrics form was skipped in {counts[f'wired:{status}']} "
+        f"scenario(s): {words}; the router's names were passed instead"
+        for status, words in WIRED_WORDS.items()
+        if counts.get(f"wired:{status}")
+    ]
 
 
 class Coverage:
@@ -276,6 +313,15 @@ class Coverage:
         self.scenarios += 1
         self.counts.update(set(features(scenario)))
 
+    def expect(self, combination: str, floor: int) -> None:
+        """A property that runs ``floor`` scenarios of ``combination`` first is about to run."""
+        self.counts[f"floor:{combination}"] += floor
+
+    def add_run(self, run: WorldRun) -> None:
+        """Count what the ranks did that the scenario alone does not say: how each
+        trainer-wired ``get_moe_metrics`` call was made (`wired_features`)."""
+        self.counts.update(set(wired_features(run)))
+
     def merge(self, data: dict[str, Any]) -> None:
         self.scenarios += int(data.get("scenarios", 0))
         self.counts.update({k: int(v) for k, v in data.get("counts", {}).items()})
@@ -293,4 +339,18 @@ class Coverage:
                 name for name in self.classes if not self.counts.get(f"class:{name}")
             ],
             "counts": dict(sorted(counts.items())),
+            "notes": wired_notes(self.counts),
+            "combinations": {
+                c.name: {
+                    "count": self.counts.get(f"combination:{c.name}", 0),
+                    "floor": self.counts.get(f"floor:{c.name}", 0),
+                }
+                for c in COMBINATIONS
+            },
+            "combinations_below_floor": [
+                c.name
+                for c in COMBINATIONS
+                if self.counts.get(f"combination:{c.name}", 0)
+                < self.counts.get(f"floor:{c.name}", 0)
+            ],
         }

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hypothesis import example as explicit_example
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
@@ -25,6 +26,7 @@ from hypothesis.errors import Flaky
 from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import BY_ID, Property
+from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import Effort, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault
@@ -201,6 +203,7 @@ def _example_runner(
             run = pool.run(scenario)
         except WorldStartError as exc:
             raise HarnessFault(f"could not start a world: {exc}") from exc
+        coverage.add_run(run)
         problems = prop.judge(scenario, run)
         if problems:
             if state.found_at is None:
@@ -251,6 +254,12 @@ def run_property(
     state = _State()
     example = _example_runner(prop, pool, options, coverage, state)
     test = given(prop.scenarios(effort, options.profile))(example)
+    # combinations of two conditions run first, at their floor (properties.combinations)
+    for combination in reversed(combinations_for(prop.id, effort)):
+        built = combination.scenarios(effort, options.profile, prop.id)
+        coverage.expect(combination.name, len(built))
+        for scenario in reversed(built):
+            test = explicit_example(scenario)(test)
     test = hypothesis_settings(
         effort,
         effort.examples_for(options.max_examples),

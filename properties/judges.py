@@ -16,6 +16,7 @@ from pipemetrics.properties.runview import (
     CallView,
     HarnessFault,
     call_views,
+    composed_disagreement,
     standard_problems,
     world_problems,
 )
@@ -196,7 +197,29 @@ def moe_values(scenario: Scenario, run: WorldRun) -> list[str]:
             return [f"returned {short(act)}, not a dict"]
         return _keyed(exp, {k: v for k, v in act.items() if k in exp}, _is_mean, "mean")
 
-    return _per_rank(scenario, run, MoeCall, check)
+    problems = [
+        f"step {view.step}: {line}"
+        for view in call_views(scenario, run)
+        if (line := composed_disagreement(view)) is not None
+    ]
+    problems += _per_rank(scenario, run, MoeCall, check)
+    return problems + _composed_orders(scenario, run) if problems else []
+
+
+def _composed_orders(scenario: Scenario, run: WorldRun) -> list[str]:
+    """For a failing run with trainer-wired calls whose names came back in another order than
+    the router records them: one line saying both orders (the data a diagnosis of pairing by
+    position needs; the call reports hold them per rank)."""
+    router = list(scenario.setup.layout.recorded_track_names)
+    lines = []
+    for view in call_views(scenario, run):
+        made = [r.composed for _, r in sorted(view.reports.items()) if r.composed is not None]
+        if made and made[0].status == "composed" and made[0].passed != router:
+            lines.append(
+                f"step {view.step}: track_names {made[0].passed} came from the target's "
+                f"get_aux_loss_track_names; the router records {router} in that order"
+            )
+    return lines[:1]
 
 
 @_guarded
@@ -576,7 +599,7 @@ def _source_tensors(scenario: Scenario, spec: BroadcastCall) -> dict[int, dict[s
     described: dict[int, dict[str, Any]] = {}
     for source in sorted({role.source for role in plan.values()}):
         tensor = make_tensor(
-            spec.shape, spec.dtype, spec.fill_seed_for(source), spec.non_contiguous
+            spec.shape, spec.dtype, spec.fill_seed_for(source), spec.non_contiguous, spec.strided
         )
         described[source] = describe_tensor(tensor) | {"source": source}
     return {rank: described[role.source] for rank, role in plan.items()}
@@ -728,29 +751,30 @@ def track_names_parity(scenario: Scenario, run: WorldRun) -> list[str]:
 
     Outside the strict profile the result may leave ``z_loss`` out (the document's "aux-loss
     names" may or may not include the z-loss) but may not list it where the router does not
-    record it ("the aux-loss tracker names the router records"); it is then dropped before
-    comparing.
+    record it ("the aux-loss tracker names the router records"); whatever names it returns
+    come "in the order Megatron records them", so a returned ``z_loss`` comes first.
     """
     strict = scenario.profile == "strict"
     problems = []
     for view in call_views(scenario, run):
         assert isinstance(view.spec, TrackNamesCall)
         recorded = view.spec.expected_names(scenario.setup.layout)
-        want = recorded if strict else [name for name in recorded if name != "z_loss"]
         config = "" if view.spec.config is None else f" for {view.spec.config.describe()}"
         for rank, report in view.reports.items():
             got = report.value
-            if not strict and isinstance(got, list):
-                if "z_loss" in got and "z_loss" not in recorded:
-                    problems.append(
-                        f"rank {rank}: returned {short(got)}{config}: z_loss, which the router "
-                        "does not record without moe_z_loss_coeff"
-                    )
-                    continue
-                got = [name for name in got if name != "z_loss"]
-            if got != want:
+            want = recorded
+            if not strict and isinstance(got, list) and "z_loss" not in got:
+                want = [name for name in recorded if name != "z_loss"]
+            if not strict and isinstance(got, list) and "z_loss" in got and "z_loss" not in want:
                 problems.append(
-                    f"rank {rank}: returned {short(report.value)}{config}, expected {want}"
+                    f"rank {rank}: returned {short(got)}{config}: z_loss, which the router "
+                    "does not record without moe_z_loss_coeff"
+                )
+            elif got != want:
+                reordered = isinstance(got, list) and sorted(map(str, got)) == sorted(want)
+                order = " (the names in the order Megatron records them)" if reordered else ""
+                problems.append(
+                    f"rank {rank}: returned {short(report.value)}{config}, expected {want}{order}"
                 )
     return problems
 

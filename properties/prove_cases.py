@@ -158,6 +158,10 @@ class Arguments(Frozen):
     """``count`` passes the MTP layers, ``zero`` 0, ``none`` None; None: ``count`` with MTP
     layers, ``none`` without."""
     track_names: Literal["live", "none", "empty", "subset", "superset"] = "live"
+    wired: bool = False
+    """The trainer-wired call: with ``track_names`` ``live``, each rank passes what the target's
+    own ``get_aux_loss_track_names`` returns for the layout's config (the router's names only
+    where that form cannot be made: `pipemetrics.sim.protocol.ComposedStatus`)."""
     per_layer_logging: bool = True
     total_loss_dict: bool = True
 
@@ -294,6 +298,8 @@ class Case(Frozen):
         return frozenset({"moe": MOE, "mtp": MTP}[call] for call in called)
 
     def properties(self, bound: Bound, defined: frozenset[str]) -> tuple[str, ...]:
+        if self.arguments.wired and TRACK_NAMES not in defined:
+            return ()  # the trainer-wired form needs the target's get_aux_loss_track_names
         called = self.functions(bound) & defined
         found = (MOE_PROPERTIES if MOE in called else ()) + (
             MTP_PROPERTIES if MTP in called else ()
@@ -347,6 +353,7 @@ class Case(Frozen):
             track_names=names[a.track_names],
             num_moe_layers=layout.num_moe_layers if semantic == "megatron" else None,
             use_total_loss_dict=a.total_loss_dict,
+            track_names_from="target" if a.wired and a.track_names == "live" else "given",
         )
 
 
@@ -398,9 +405,9 @@ def _mtp_value(
 
 # -- broadcast_tensor cases --------------------------------------------------------------------
 
-Shape = Literal["scalar", "empty", "matrix", "transposed"]
+Shape = Literal["scalar", "empty", "matrix", "transposed", "strided"]
 SHAPES: Mapping[str, list[int]] = MappingProxyType(
-    {"scalar": [], "empty": [0], "matrix": [2, 3], "transposed": [2, 3]}
+    {"scalar": [], "empty": [0], "matrix": [2, 3], "transposed": [2, 3], "strided": [2, 3]}
 )
 Invalid = Literal["source_none", "shape", "dtype", "device"]
 
@@ -455,7 +462,8 @@ class BroadcastCase(Frozen):
         shape = SHAPES[self.shape]
         call = BroadcastCall(
             group=self.role, src_group_rank=self.source, shape=shape, dtype=self.dtype,
-            non_contiguous=self.shape == "transposed", fill_seed=7,
+            non_contiguous=self.shape in ("transposed", "strided"),
+            strided=self.shape == "strided", fill_seed=7,
             members=None if self.members is None else list(self.members),
         )  # fmt: skip
         plan = broadcast_plan(call, self.world)

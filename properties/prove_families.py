@@ -147,6 +147,18 @@ def routing(bound: Bound) -> Iterator[AnyCase]:
         ):
             yield Case(family="routing", world=world, stages=stages, mtp=mtp, routing=types,
                        zero_coefficient=zero, z_loss=z)  # fmt: skip
+    if fits(ROUTING_WORLD, bound):
+        for stages, mtp, (types, zero, z) in itertools.product(WIRED_STAGES, MTPS, routings()):
+            yield Case(family="routing", world=ROUTING_WORLD, stages=stages, mtp=mtp,
+                       routing=types, zero_coefficient=zero, z_loss=z,
+                       arguments=Arguments(wired=True))  # fmt: skip
+
+
+WIRED_STAGES: tuple[tuple[StageText, ...], ...] = (("d", "m"),)
+"""The stages of the trainer-wired routing cases: a stage without MoE layers, which holds the
+names only as the call pre-initialises them (in the order the target's own
+``get_aux_loss_track_names`` returns them), beside one whose routers record them (in the
+router's order)."""
 
 
 def flexible(bound: Bound) -> Iterator[AnyCase]:
@@ -288,9 +300,16 @@ def arguments(bound: Bound) -> Iterator[AnyCase]:
 
 
 def _shapes(semantic: Semantic, *extra: Shape) -> tuple[Shape, ...]:
-    """``transposed`` (a non-contiguous source) only under strict: the document promises
-    nothing for one."""
+    """The structure family's tensors: a scalar and a matrix (strict: also a transposed one;
+    the non-contiguous sources of every profile are crossed with every dtype in
+    `broadcast_values`)."""
     return ("scalar", *extra, "matrix") + (("transposed",) if semantic == "strict" else ())
+
+
+VALUE_SHAPES: tuple[Shape, ...] = ("scalar", "empty", "matrix", "transposed", "strided")
+"""The tensors of `broadcast_values`, in every profile: 0-d, empty, 2x3, and non-contiguous
+sources (a transposed and a strided view): the document types the source ``torch.Tensor`` and
+its Raises section excludes none of them."""
 
 
 def broadcasts(bound: Bound) -> Iterator[AnyCase]:
@@ -329,7 +348,7 @@ INVALID_GROUPS: tuple[tuple[WorldSpec, str, tuple[int, ...] | None], ...] = (
 
 def broadcast_values(bound: Bound) -> Iterator[AnyCase]:
     for (world, role, members), dtype, shape, source, receivers in itertools.product(
-        VALUE_GROUPS, DTYPES, _shapes(bound.profile, "empty"), (0, -1),
+        VALUE_GROUPS, DTYPES, VALUE_SHAPES, (0, -1),
         ("none", "buffer"),
     ):  # fmt: skip
         if fits(world, bound):
@@ -436,6 +455,9 @@ FAMILIES: tuple[Family, ...] = (
             "the subsets missing a type once more with that type at coefficient 0",
             "z_loss off, at coefficient 0 (the router records NaN) and on",
             "against every stage pattern and MTP kind of one rank and of pp 2 x dp 2",
+            "the trainer-wired call on pp 2 x dp 2 with a dense stage before an MoE stage, every "
+            "MTP kind: track_names from the target's own get_aux_loss_track_names for the "
+            "layout's config (skipped, and counted as skipped, without that function)",
         ),
     ),
     Family(
@@ -515,7 +537,8 @@ FAMILIES: tuple[Family, ...] = (
         functions=(BROADCAST,),
         enumerates=(
             "every dtype the samplers draw (float32, bfloat16, bool, int64, float16, float64, "
-            "int32, uint8), a scalar, an empty and a 2x3 tensor (strict: also transposed)",
+            "int32, uint8), a scalar, an empty and a 2x3 tensor, and non-contiguous 2x3 sources "
+            "(a transposed view, a strided one), in every profile",
             "over the world of 2 ranks and a new_group [1, 2] of 3 (global and group ranks differ)",
         ),
     ),
@@ -622,7 +645,8 @@ FIXED: tuple[Fixed, ...] = (
     ),
     Fixed(
         what="broadcast tensors",
-        value="dtype float32 except in broadcast_values; shapes [], [0], [2, 3]",
+        value="dtype float32 and contiguous sources except in broadcast_values (strict: also "
+        "transposed); shapes [], [0], [2, 3]",
         why="a group's structure and a tensor's kind meet only through the "
         "metadata and the buffer, crossed in broadcast_values",
     ),

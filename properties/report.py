@@ -163,6 +163,21 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
             f"  WARNING: never generated (by the properties that ran): "
             f"{', '.join(coverage['never_seen'])}\n"
         )
+    combinations = coverage.get("combinations", {})
+    ran = {name: c for name, c in combinations.items() if c.get("floor")}
+    if ran:
+        out.write(
+            "  combinations: "
+            + ", ".join(f"{n}={c['count']} (floor {c['floor']})" for n, c in ran.items())
+            + "\n"
+        )
+    if coverage.get("combinations_below_floor"):
+        out.write(
+            "  WARNING: combinations below their floor: "
+            f"{', '.join(coverage['combinations_below_floor'])}\n"
+        )
+    for note in coverage.get("notes", []):
+        out.write(f"  NOTE: {note}\n")
 
 
 def _fence(text: str, lang: str = "") -> str:

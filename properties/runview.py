@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipemetrics.sim.calls import CallSpec
+from pipemetrics.sim.calls import CallSpec, MoeCall
 from pipemetrics.sim.protocol import CallReport
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.world import WorldRun
@@ -42,8 +42,36 @@ def call_views(scenario: Scenario, run: WorldRun) -> list[CallView]:
     for step_index, step in enumerate(scenario.steps):
         for call_index, spec in enumerate(step.calls):
             reports = by_key.get((step_index, call_index), {})
-            views.append(CallView(step_index, call_index, spec, reports))
+            views.append(CallView(step_index, call_index, as_made(spec, reports), reports))
     return views
+
+
+def as_made(spec: CallSpec, reports: dict[int, CallReport]) -> CallSpec:
+    """A trainer-wired ``get_moe_metrics`` call with the ``track_names`` its ranks passed (the
+    lowest rank's; `composed_disagreement` tells when ranks differ), so the oracle judges the
+    call that was made; any other call as it stands."""
+    if not isinstance(spec, MoeCall) or not spec.composed:
+        return spec
+    made = [r.composed for _, r in sorted(reports.items()) if r.composed is not None]
+    if not made:
+        return spec
+    return spec.model_copy(update={"track_names": made[0].passed})
+
+
+def composed_disagreement(view: CallView) -> str | None:
+    """A trainer-wired call whose ranks passed different ``track_names`` (a target whose
+    ``get_aux_loss_track_names`` answers differently on the ranks of one world), described;
+    None otherwise."""
+    passed = {
+        rank: report.composed.passed
+        for rank, report in sorted(view.reports.items())
+        if report.composed is not None
+    }
+    if len({repr(names) for names in passed.values()}) <= 1:
+        return None
+    return "ranks passed different track_names from get_aux_loss_track_names: " + "; ".join(
+        f"rank {rank} {names}" for rank, names in passed.items()
+    )
 
 
 def world_problems(run: WorldRun, *, tolerate: tuple[str, ...] = ()) -> list[str]:

@@ -383,9 +383,14 @@ def moe_call(
     loss_scale: float,
     per_layer_logging: bool = False,
     use_total_loss_dict: bool = False,
+    composed: bool = False,
 ) -> MoeCall:
-    """``get_moe_metrics`` as a typical trainer calls it (pre-initialising the names the
-    installed router records, `ModelLayout.recorded_track_names`)."""
+    """``get_moe_metrics`` as a typical trainer calls it, pre-initialising: the names the
+    installed router records (`ModelLayout.recorded_track_names`), or, ``composed`` (the
+    trainer-wired form), what each rank's target returns from its own
+    ``get_aux_loss_track_names`` for the layout's config, as the document tells callers to
+    derive them (the router's names are then passed only where that form cannot be made:
+    `pipemetrics.sim.protocol.ComposedStatus`)."""
     return MoeCall(
         loss_scale=loss_scale,
         per_layer_logging=per_layer_logging,
@@ -394,6 +399,7 @@ def moe_call(
         track_names=list(layout.recorded_track_names),
         num_moe_layers=layout.num_moe_layers if semantic == "megatron" else None,
         use_total_loss_dict=use_total_loss_dict,
+        track_names_from="target" if composed else "given",
     )
 
 
@@ -459,12 +465,15 @@ def moe_scenarios(
     total_loss_dict: bool = False,
 ) -> Scenario:
     """Synthetic records on every rank, then ``get_moe_metrics`` after every step (a step
-    program with several steps, see `steps_of`)."""
+    program with several steps, see `steps_of`). A pre-initialising call of the live names is
+    the trainer-wired form (``composed`` of `moe_call`: the names from the target's own
+    ``get_aux_loss_track_names``); the other drawn forms pass their names as drawn."""
     setup = draw(setups(effort))
     layout = setup.layout
     per_layer_logging = draw(st.booleans()) if per_layer is None else per_layer
     count = draw(st.integers(min_steps, max(min_steps, min(max_steps, effort.max_steps))))
     num_layers, mtp_num_layers, track_names = draw(moe_arguments(setup, semantic))
+    composed = num_layers is not None and track_names == list(layout.recorded_track_names)
     forms = effort.generates("argument_forms")
     form: MtpLossScaleForm = draw(loss_scale_forms(semantic)) if forms else "float"
     assert form != "default"
@@ -478,6 +487,7 @@ def moe_scenarios(
             loss_scale=scale,
             per_layer_logging=per_layer_logging,
             use_total_loss_dict=total_loss_dict,
+            composed=composed,
         ).model_copy(
             update={
                 "num_layers": num_layers,
@@ -590,8 +600,8 @@ def mtp_scenarios(
 @st.composite
 def interleaved_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Scenario:
     """Both functions over a step program: ``get_moe_metrics`` (the document's pre-initialising
-    call) and ``get_mtp_metrics``, with the step's ``loss_scale``, in either order, some steps
-    calling one or none."""
+    call, with the router's names drawn independently of the target) and ``get_mtp_metrics``,
+    with the step's ``loss_scale``, in either order, some steps calling one or none."""
     setup = draw(setups(effort))
     layout = setup.layout
     count = draw(st.integers(2, max(2, effort.max_steps)))
@@ -609,8 +619,10 @@ def interleaved_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -
 
 @st.composite
 def router_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Scenario:
-    """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``. Only
-    routing configurations the installed release's router runs are drawn."""
+    """megatron-core's real ``TopKRouter``s fill the tracker; then ``get_moe_metrics``, wired as
+    a trainer wires it (``composed``: the names from the target's own
+    ``get_aux_loss_track_names`` for the config the routers run with). Only routing
+    configurations the installed release's router runs are drawn."""
     setup = draw(
         setups(
             effort,
@@ -621,7 +633,13 @@ def router_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -> Sce
     layout = setup.layout
     count = draw(st.integers(1, min(2, effort.max_steps)))
     calls = [
-        moe_call(layout, semantic, loss_scale=1.0 / layout.microbatches, per_layer_logging=True)
+        moe_call(
+            layout,
+            semantic,
+            loss_scale=1.0 / layout.microbatches,
+            per_layer_logging=True,
+            composed=True,
+        )
     ]
     return Scenario(
         setup=setup,
@@ -687,6 +705,20 @@ def subgroup_roles(world: WorldSpec) -> list[str]:
 BufferMode = Literal["mixed", "buffers", "invalid"]
 
 
+def source_views(shape: list[int]) -> st.SearchStrategy[dict[str, bool]]:
+    """How the source tensor is laid out (`BroadcastCall` ``non_contiguous``/``strided``): as
+    allocated, transposed (>= 2 dims) or strided (>= 1 dim). Every profile: the document types
+    the source ``torch.Tensor`` and its Raises section excludes no layout; gloo delivers a
+    non-contiguous source's storage as it lies, scrambled, so a copy that sends it as it is
+    fails here."""
+    views = [{"non_contiguous": False, "strided": False}]
+    if shape:
+        views.append({"non_contiguous": True, "strided": True})
+    if len(shape) >= 2:
+        views.append({"non_contiguous": True, "strided": False})
+    return st.sampled_from(views)
+
+
 def _receiver_inputs(
     draw: st.DrawFn, receivers: list[int], shape: list[int], dtype: str, mode: BufferMode
 ) -> tuple[dict[int, BufferSpec], bool]:
@@ -742,8 +774,8 @@ def broadcast_call(
     *,
     groups: bool = False,
 ) -> BroadcastCall:
-    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input.
-    A non-contiguous source only under strict (the document does not promise one works).
+    """One ``broadcast_tensor`` call: valid (``mixed``/``buffers``) or with an invalid input,
+    its source contiguous or a view (`source_views`) in every profile.
 
     Without ``groups`` the group spans the whole world (a group rank is the global rank);
     with ``groups`` (generator class ``group_broadcast``) also `broadcast_group`'s subgroups.
@@ -761,7 +793,7 @@ def broadcast_call(
             update={
                 "shape": shape,
                 "dtype": dtype,
-                "non_contiguous": semantic == "strict" and len(shape) >= 2 and draw(st.booleans()),
+                **draw(source_views(shape)),
                 "fill_seed": draw(st.integers(0, 1000)),
                 "buffers": buffers,
                 "source_passes_none": source_none,
@@ -777,7 +809,7 @@ def broadcast_call(
         src_rank=src,
         shape=shape,
         dtype=dtype,
-        non_contiguous=semantic == "strict" and len(shape) >= 2 and draw(st.booleans()),
+        **draw(source_views(shape)),
         fill_seed=draw(st.integers(0, 1000)),
         buffers=buffers,
         source_passes_none=source_none,

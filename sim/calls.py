@@ -101,6 +101,11 @@ class MoeCall(ScaledCall):
     ``use_total_loss_dict``: pass one dict per rank that lives across the steps of the scenario.
     ``num_moe_layers`` is only passed when the target's signature accepts it.
     ``loss_scale_form``: the Python object ``loss_scale`` is passed as (see `LossScaleForm`).
+    ``track_names_from``: ``"given"`` passes ``track_names`` as it stands; ``"target"`` is the
+    trainer-wired call: each rank passes what the target's own
+    ``get_aux_loss_track_names`` returns for the layout's TransformerConfig, and ``track_names``
+    holds the names the router records, passed instead where that form cannot be made
+    (`ComposedNames`).
     """
 
     function: Literal["get_moe_metrics"] = "get_moe_metrics"
@@ -111,6 +116,13 @@ class MoeCall(ScaledCall):
     track_names: list[str] | None = None
     num_moe_layers: Annotated[int, Field(ge=1)] | None = None
     use_total_loss_dict: bool = False
+    track_names_from: Literal["given", "target"] = "given"
+
+    @property
+    def composed(self) -> bool:
+        """Whether each rank derives ``track_names`` with the target's own
+        ``get_aux_loss_track_names`` (the trainer-wired call)."""
+        return self.track_names_from == "target"
 
     @property
     def preinit_length(self) -> int | None:
@@ -164,7 +176,8 @@ class BroadcastCall(PerRank):
     ``src_rank`` 0) are the scenarios written before subgroups existed.
 
     The source tensor is filled deterministically (`fill_seed_for`); ``non_contiguous`` makes it
-    a transposed view (needs >= 2 dims). ``buffers`` maps a receiver's global rank to the buffer
+    a transposed view (needs >= 2 dims), or with ``strided`` a view of every other element of a
+    last dimension twice as long (needs >= 1 dim). ``buffers`` maps a receiver's global rank to the buffer
     it passes (absent: it passes None). ``source_passes_none`` makes every source pass None.
     """
 
@@ -176,6 +189,7 @@ class BroadcastCall(PerRank):
     shape: list[Annotated[int, Field(ge=0)]] = Field(default_factory=lambda: [4])
     dtype: str = "float32"
     non_contiguous: bool = False
+    strided: bool = False
     fill_seed: int = 0
     buffers: dict[int, BufferSpec] = Field(default_factory=dict)
     source_passes_none: bool = False
@@ -190,8 +204,12 @@ class BroadcastCall(PerRank):
 
     @model_validator(mode="after")
     def _consistent(self) -> BroadcastCall:
-        if self.non_contiguous and len(self.shape) < 2:
-            raise ValueError("non_contiguous: a transposed source needs at least 2 dimensions")
+        if self.strided and not self.non_contiguous:
+            raise ValueError("strided: only a non_contiguous source is a strided view")
+        if self.non_contiguous and len(self.shape) < (1 if self.strided else 2):
+            raise ValueError(
+                "non_contiguous: a transposed source needs at least 2 dimensions, a strided one 1"
+            )
         if (self.src_rank is None) == (self.src_group_rank is None):
             raise ValueError(
                 "src_rank / src_group_rank: give exactly one (a global source rank, or the "

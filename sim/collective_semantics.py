@@ -6,7 +6,9 @@ result here, in its own context (its own ``sys.modules``, so objects unpickle in
 classes). The semantics are torch.distributed's, member by member:
 
 * tensors are reduced in the tensor's own dtype, in group-rank order, and copied into each
-  member's tensors (``copy_``: a non-contiguous view is written through, as by the backends);
+  member's tensors (``copy_``: a non-contiguous view is written through, as by the backends),
+  except ``broadcast``, which moves each tensor's memory as it lies in storage, as gloo does
+  (`memory`: a non-contiguous source arrives scrambled);
 * objects travel pickled, as torch sends them: each member pickles what it sends before the
   collective is released (`Contribution`), so an object that cannot be pickled fails on its
   sender, and every receiver gets its own unpickled copy;
@@ -188,7 +190,23 @@ def _all_reduce(m: Meeting, me: int) -> None:
 def _broadcast(m: Meeting, me: int) -> None:
     root = m.root("src", "group_src")
     if me != root:
-        m.arguments[me]["tensor"].copy_(m.arguments[root]["tensor"])
+        memory(m.arguments[me]["tensor"]).copy_(memory(m.arguments[root]["tensor"]))
+
+
+def memory(tensor: torch.Tensor) -> torch.Tensor:
+    """The ``numel`` elements from ``tensor``'s first one in storage order: what gloo's broadcast
+    sends from and writes into (it takes a tensor's data pointer as a dense buffer). For a
+    contiguous tensor that is the tensor itself; a non-contiguous view (transposed, strided)
+    sends its storage as it lies, so the receivers get scrambled data without an error."""
+    if tensor.is_contiguous():
+        return tensor.view(-1) if tensor.dim() else tensor.reshape(1)
+    held = tensor.untyped_storage().nbytes() // tensor.element_size()
+    if tensor.storage_offset() + tensor.numel() > held:
+        raise UnsupportedCollectiveError(
+            "the in-process tier does not simulate a broadcast of a non-contiguous view that "
+            "reaches past its storage; run this target on the process tier (--tier process)"
+        )
+    return tensor.as_strided((tensor.numel(),), (1,))
 
 
 def _broadcast_object_list(m: Meeting, me: int) -> None:

@@ -54,6 +54,31 @@ class CallError(Frozen):
     traceback: str
 
 
+ComposedStatus = Literal["composed", "absent", "raised", "not_mirrored"]
+"""How a trainer-wired ``get_moe_metrics`` call (``MoeCall.track_names_from == "target"``) went
+on a rank: ``composed``: it passed the names the target's ``get_aux_loss_track_names`` returned;
+otherwise it passed the router's names (the call's ``track_names``) because the target defines
+no ``get_aux_loss_track_names`` (``absent``), it raised or returned something other than a list
+of names (``raised``), or, outside the strict profile, its names are not the router's as a set
+(``not_mirrored``: the document promises nothing for names that do not "mirror what the router
+records", and leaves open whether ``z_loss`` is one of them)."""
+
+
+class ComposedNames(Frozen):
+    """What one rank's trainer-wired call derived: the names (in their order) the target's own
+    ``get_aux_loss_track_names`` returned for the layout's TransformerConfig, and what the rank
+    then passed as ``track_names``. Data for judges and diagnoses (which stage pre-initialised
+    which order)."""
+
+    status: ComposedStatus
+    returned: list[str] | None = None
+    """The target's names in its order (None: absent, or not a list of names)."""
+    passed: list[str] | None = None
+    """The ``track_names`` this rank passed to ``get_moe_metrics``."""
+    note: str = ""
+    """Why the form was not made (``raised``: the exception or the value returned)."""
+
+
 class CallReport(Frozen):
     """What one rank did for one call of one step."""
 
@@ -68,6 +93,8 @@ class CallReport(Frozen):
     total_loss_dict: dict[str, float] | None = None
     buffer: Any = None
     """``broadcast_tensor``: the receiver's own buffer after the call (encoded), if it passed one."""
+    composed: ComposedNames | None = None
+    """A trainer-wired ``get_moe_metrics`` call: the names this rank derived and passed."""
 
 
 class Ready(Frozen):

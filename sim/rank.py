@@ -48,6 +48,7 @@ from pipemetrics.sim.protocol import (
     CallError,
     CallReport,
     CollectiveCall,
+    ComposedNames,
     Done,
     Ready,
     RunMode,
@@ -242,9 +243,15 @@ class RankServer:
     ) -> CallReport:
         if isinstance(spec, ScaledCall | BroadcastCall):
             spec = cast(CallSpec, spec.for_rank(self.rank))
+        composed: ComposedNames | None = None
+        if isinstance(spec, MoeCall) and spec.composed:
+            composed = composed_names(target, scenario, spec)
+            spec = spec.model_copy(update={"track_names": composed.passed})
         before = snapshot()
         function = getattr(target, spec.function, None)
-        base = CallReport(step=step, call=index, function=spec.function, snapshot=before)
+        base = CallReport(
+            step=step, call=index, function=spec.function, snapshot=before, composed=composed
+        )
         if not callable(function):
             return base.model_copy(
                 update={
@@ -361,7 +368,9 @@ class RankServer:
         if self.rank == role.source:
             if not spec.source_passes_none:
                 seed = spec.fill_seed_for(role.source)
-                tensor = make_tensor(spec.shape, spec.dtype, seed, spec.non_contiguous)
+                tensor = make_tensor(
+                    spec.shape, spec.dtype, seed, spec.non_contiguous, spec.strided
+                )
         elif self.rank in spec.buffers:
             buf = spec.buffers[self.rank]
             device = "cpu" if buf.device == "default" else buf.device
@@ -378,6 +387,32 @@ class RankServer:
             return function(arguments["model_config"])
         assert isinstance(spec, RoundUpCall)
         return function(arguments["value"], arguments["multiple"])
+
+
+def composed_names(target: ModuleType, scenario: Scenario, spec: MoeCall) -> ComposedNames:
+    """The ``track_names`` a trainer wires into ``get_moe_metrics``: the target's own
+    ``get_aux_loss_track_names`` for the layout's TransformerConfig (the config the routers run
+    with), or, where that form cannot be made (`ComposedStatus`), the router's names the call
+    holds. Deterministic: every rank of a world derives the same."""
+    fallback = list(spec.track_names) if spec.track_names is not None else None
+    function = getattr(target, "get_aux_loss_track_names", None)
+    if not callable(function):
+        return ComposedNames(status="absent", passed=fallback)
+    from pipemetrics.sim.router_fill import build_transformer_config
+
+    with cpu_current_device():
+        config = build_transformer_config(scenario.setup)
+    try:
+        returned = function(config)
+    except Exception as exc:  # the names property judges the function itself
+        return ComposedNames(status="raised", passed=fallback, note=f"{type(exc).__name__}: {exc}")
+    if not isinstance(returned, list) or not all(isinstance(n, str) for n in returned):
+        return ComposedNames(status="raised", passed=fallback, note=f"returned {returned!r}"[:200])
+    names = list(returned)
+    mirrored = set(names) == set(fallback or [])
+    if scenario.profile != "strict" and not mirrored:
+        return ComposedNames(status="not_mirrored", returned=names, passed=fallback)
+    return ComposedNames(status="composed", returned=names, passed=list(names))
 
 
 @contextmanager

@@ -14,14 +14,19 @@ if TYPE_CHECKING:
 TENSOR_KEY = "__tensor__"
 
 
-def make_tensor(shape: list[int], dtype: str, seed: int, non_contiguous: bool) -> torch.Tensor:
-    """A deterministic tensor; ``non_contiguous`` returns a transposed view of the last 2 dims."""
+def make_tensor(
+    shape: list[int], dtype: str, seed: int, non_contiguous: bool, strided: bool = False
+) -> torch.Tensor:
+    """A deterministic tensor; ``non_contiguous`` returns a view: of the last 2 dims transposed,
+    or, with ``strided``, of every other element of a last dimension twice as long."""
     import torch
 
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     stored = list(shape)
-    if non_contiguous:
+    if non_contiguous and strided:
+        stored[-1] *= 2
+    elif non_contiguous:
         stored[-1], stored[-2] = stored[-2], stored[-1]
     if torch_dtype == torch.bool:
         tensor = torch.randint(0, 2, stored, generator=generator).bool()
@@ -29,7 +34,9 @@ def make_tensor(shape: list[int], dtype: str, seed: int, non_contiguous: bool) -
         tensor = torch.randn(stored, generator=generator).to(torch_dtype)
     else:
         tensor = torch.randint(-1000, 1000, stored, generator=generator).to(torch_dtype)
-    if non_contiguous:
+    if non_contiguous and strided:
+        tensor = tensor[..., ::2]
+    elif non_contiguous:
         tensor = tensor.transpose(-1, -2)
     return tensor
 

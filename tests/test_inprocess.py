@@ -389,3 +389,32 @@ def test_the_tiers_agree_on_every_collective_and_reduce_op(
         value = result.done.reports[0].value
         assert set(value) >= {f"all_reduce_{op}" for op in ("SUM", "AVG", "BXOR")}, value
         assert value["async_wait"] is True
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["transposed", "strided"])
+def test_the_tiers_scramble_a_non_contiguous_source_alike(
+    tiers: tuple[TrackingPool, TrackingPool], tmp_path: Path, strided: bool
+) -> None:
+    """A copy that sends a non-contiguous source as it is: gloo delivers its storage as it
+    lies, scrambled, without an error; the in-process tier delivers the same, so a seed run on
+    either tier fails it (and the reference, which sends a contiguous copy, passes on both)."""
+    from pipemetrics.sim.calls import BroadcastCall
+    from pipemetrics.sim.values import make_tensor
+
+    call = BroadcastCall(src_rank=0, shape=[3, 2], non_contiguous=True, strided=strided)
+    source = make_tensor([3, 2], "float32", 0, True, strided)
+    storage = source.as_strided((6,), (1,)).tolist()  # what gloo sends from the data pointer
+    for target, want in (
+        (str(write_mutant("broadcast_source_not_contiguous", tmp_path)), storage),
+        ("pipemetrics.reference", source.reshape(-1).tolist()),
+    ):
+        scenario = Scenario(
+            setup=Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2)),
+            target=target, steps=[Step(calls=[call])], deadline_s=60.0,
+        )  # fmt: skip
+        process, inprocess = (pool.run(scenario) for pool in tiers)
+        assert not differences(process, inprocess, ("process", "inprocess"))
+        done = inprocess.ranks[1].done
+        assert done is not None
+        assert done.reports[0].value["__tensor__"]["values"] == want, target
+    assert storage != source.reshape(-1).tolist()

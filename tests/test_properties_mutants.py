@@ -50,7 +50,9 @@ _NO_COUNTS = pytest.mark.skipif(
 #: is found by example 152 or earlier on every release 0.13.1-0.19.2 (measured 2026-12-03:
 #: moe_steady_state_decided_locally 152 on 0.13.1 and 72 on 0.19.2; moe_local_insertion_order
 #: 85, moe_total_loss_overwritten 76, moe_tracker_not_cleared 65, all on 0.13.1;
-#: mtp_tracker_not_cleaned 47; every other one by example 24).
+#: mtp_tracker_not_cleaned 47; every other one by example 24). Measured 2026-12-05 on 0.19.2:
+#: broadcast_source_not_contiguous 55, moe_wired_names_paired_by_position 3,
+#: track_names_aux_before_z_loss 3 (1 with the live_names_change combination run first).
 MAX_EXAMPLES = 500
 #: Other budgets, each with the largest ``found_at`` over 0.13.1-0.19.2 at 2,500 examples. Below
 #: 500 only for mutants with a class run (whose cost is every example); as a budget under 500

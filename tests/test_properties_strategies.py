@@ -93,10 +93,17 @@ def test_every_property_generates_valid_scenarios(prop: object, semantic: str) -
                 assert call.function in prop.functions
                 if isinstance(call, MoeCall):
                     _check_documented_arguments(scenario.setup, call, semantic)
+                    # the pre-initialising call of the live names is the trainer-wired one
+                    # (the target's own names), except in the independently drawn interleaving
+                    wired = call.num_layers is not None and call.track_names == (
+                        scenario.setup.layout.recorded_track_names
+                    )
+                    assert call.composed == (wired and prop.id != "steps.interleaved")
                 if isinstance(call, MoeCall | MtpCall) and semantic != "strict":
                     assert call.loss_scale_form in (*s.SEED_LOSS_SCALE_FORMS, "default")
-                if isinstance(call, BroadcastCall) and semantic != "strict":
-                    assert not call.non_contiguous
+                if isinstance(call, BroadcastCall) and call.non_contiguous:
+                    # every profile: a transposed (>= 2 dims) or strided (>= 1 dim) view
+                    assert len(call.shape) >= (1 if call.strided else 2)
 
     check()
 

@@ -30,7 +30,7 @@ from pipemetrics.properties.prove import (
     shard_of,
 )
 from pipemetrics.properties.prove_families import FAMILIES, FAMILY_NAMES
-from pipemetrics.properties.strategies import every_rank_records_every_name
+from pipemetrics.properties.strategies import DTYPES, every_rank_records_every_name
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.target import API_FUNCTIONS
 
@@ -92,7 +92,11 @@ def test_the_seed_profile_draws_only_the_documented_argument_forms() -> None:
     assert any(c.arguments.track_names == "none" and not every_rank_records_every_name(c.setup())
                for c in strict)  # fmt: skip
     seed_broadcasts = [c for c in enumerate_cases(Bound()) if isinstance(c, BroadcastCase)]
-    assert all(c.shape != "transposed" for c in seed_broadcasts)  # the document promises none
+    # every input the documented types admit: non-contiguous sources of every dtype, in seed too
+    values = {(c.dtype, c.shape) for c in seed_broadcasts if c.family == "broadcast_values"}
+    assert {(d, v) for d in DTYPES for v in ("transposed", "strided", "scalar", "empty")} <= values
+    # the trainer-wired call, which needs get_aux_loss_track_names, is a seed case too
+    assert any(c.arguments.wired and c.arguments.track_names == "live" for c in seed)
 
 
 def test_a_target_with_some_of_the_functions_is_proven_on_those(tmp_path: Path) -> None:

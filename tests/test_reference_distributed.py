@@ -226,11 +226,13 @@ def test_broadcast_bad_buffer_on_one_rank_raises_everywhere(pool: TrackingPool, 
         assert "rank 2" in report.error.message, report.error.message
 
 
-def test_broadcast_roundtrip_non_contiguous(pool: TrackingPool) -> None:
+@pytest.mark.parametrize("strided", [False, True], ids=["transposed", "strided"])
+def test_broadcast_roundtrip_non_contiguous(pool: TrackingPool, strided: bool) -> None:
     call = BroadcastCall(
         src_rank=3,
         shape=[2, 3],
         non_contiguous=True,
+        strided=strided,
         buffers={1: BufferSpec(shape=[2, 3], dtype="float32")},
     )
     result = run(pool, WorldSpec(pp=2, dp=2), ModelLayout(num_layers=2), [(StepRecords(), [call])])

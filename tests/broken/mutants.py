@@ -134,6 +134,23 @@ class Mutant(BaseModel):
         return value
 
 
+NAMES_EDITS: tuple[tuple[str, str], ...] = (
+    (
+        "    names: list[str] = []\n"
+        '    if _is_number(_attr(model_config, "moe_z_loss_coeff")):\n'
+        "        names.append(_Z_LOSS_NAME)\n",
+        "    names: list[str] = []\n",
+    ),
+    (
+        "            names.append(name)\n    return names\n",
+        "            names.append(name)\n"
+        '    if _is_number(_attr(model_config, "moe_z_loss_coeff")):\n'
+        "        names.append(_Z_LOSS_NAME)  # the aux losses first\n"
+        "    return names\n",
+    ),
+)
+"""get_aux_loss_track_names with the aux losses before z_loss (NeMo-RL's order)."""
+
 _MUTANTS: list[Mutant] = [
     Mutant(
         name="mtp_clears_moe_tracker",
@@ -925,6 +942,69 @@ _MUTANTS: list[Mutant] = [
         ),
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
+        sim_outcome=None,
+    ),
+    Mutant(
+        name="track_names_aux_before_z_loss",
+        description=(
+            "get_aux_loss_track_names lists the aux losses before z_loss (as NeMo-RL's copy "
+            'appends z_loss last), while the router records z_loss first: not "in the order '
+            "Megatron records them\". The reference's own reduction (in sorted order) is immune "
+            "to the order, so only the names property sees it. Scenario: a config with "
+            "moe_z_loss_coeff and an aux loss."
+        ),
+        edits=NAMES_EDITS,
+        fails=("track_names.router_parity",),
+        functions=("get_aux_loss_track_names",),
+        sim_outcome=None,
+    ),
+    Mutant(
+        name="moe_wired_names_paired_by_position",
+        description=(
+            "The seed module's lineage as trainers ship it: get_aux_loss_track_names lists the "
+            "aux losses before z_loss, get_moe_metrics pre-initialises the names in the order "
+            "it is given and reduces the tracker in its insertion order (as megatron-core's "
+            "reduce_aux_losses_tracker_across_ranks does). Wired as a trainer wires it "
+            "(track_names=get_aux_loss_track_names(config)), a stage without MoE layers holds "
+            "[load_balancing_loss, z_loss] while the MoE stages hold the router's [z_loss, "
+            "load_balancing_loss]; the pipeline all_reduce pairs them by position, and the two "
+            "come back exchanged. Called with the router's own names it is correct. Scenario: "
+            "pp=2, stage 0 dense, stage 1 MoE with z-loss and an aux loss, the trainer-wired call."
+        ),
+        edits=(
+            *NAMES_EDITS,
+            (
+                "    for name in sorted(lengths):\n        meta = settings[name]\n",
+                "    given = [n for n in dict.fromkeys(track_names or []) if n in lengths]\n"
+                "    for name in given + [n for n in sorted(lengths) if n not in given]:\n"
+                "        meta = settings[name]\n",
+            ),
+            (
+                "        _sync(tracker, sorted(lengths))\n",
+                "        _sync(tracker, [name for name in tracker.metrics if name in lengths])\n",
+            ),
+        ),
+        fails=("moe.values",),
+        functions=("get_moe_metrics", "get_aux_loss_track_names"),
+        sim_outcome=None,
+    ),
+    Mutant(
+        name="broadcast_source_not_contiguous",
+        description=(
+            "broadcast_tensor sends the source tensor as it is, without .contiguous(): gloo "
+            "sends a non-contiguous view's storage as it lies, so the receivers get scrambled "
+            "values without an error (a transposed 3x2 source [[0,3],[1,4],[2,5]] arrives as "
+            "[[0,1],[2,3],[4,5]]). Every profile: the document types the source torch.Tensor "
+            "and excludes no layout. Scenario: 2 ranks, a transposed or strided source."
+        ),
+        edits=(
+            (
+                "        send = tensor.detach().to(device).contiguous()\n",
+                "        send = tensor.detach().to(device)\n",
+            ),
+        ),
+        fails=("broadcast.roundtrip",),
+        functions=("broadcast_tensor",),
         sim_outcome=None,
     ),
 ]

@@ -240,6 +240,9 @@ class FakeDist:
         order; by default they contribute what this rank does)."""
         self.roots: list[int | str] = []
         """The global root of each broadcast entered."""
+        self.contiguous: list[bool] = []
+        """Whether the tensor of each broadcast entered was contiguous (gloo sends a
+        non-contiguous one's storage as it lies)."""
         self.group = SimpleNamespace(WORLD=None)
 
     def is_available(self) -> bool:
@@ -287,6 +290,7 @@ class FakeDist:
     ) -> None:
         """torch's signature: ``src`` is a global rank, ``group_src`` a rank within the group."""
         self.calls.append("broadcast")
+        self.contiguous.append(tensor.is_contiguous())
         if group_src is None:
             assert src is not None
             self.roots.append(src)
@@ -474,6 +478,36 @@ def _track_names(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
         SimpleNamespace(moe_z_loss_coeff=1e-3),
     ]
     return [m.get_aux_loss_track_names(c) for c in configs]
+
+
+def _track_names_order(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    config = SimpleNamespace(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3
+    )
+    return m.get_aux_loss_track_names(config)
+
+
+def _wired_recording_stage(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1, an MoE stage: the router recorded z_loss, then the aux loss; its peer (a stage
+    # without MoE layers) recorded nothing. Both pass the names the module's own
+    # get_aux_loss_track_names gives: the order this rank reduces in must be its peer's.
+    _record(Z, [1.0, 1.0, 1.0, 1.0])
+    _record(AUX, [2.0, 2.0, 2.0, 2.0])
+    config = SimpleNamespace(
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3
+    )
+    track = m.get_aux_loss_track_names(config)
+    syncs = _fake_world(m, mp, FakeDist(1, 2, {0: _peer_payload(m, {}, track, 4)}))
+    m.get_moe_metrics(1.0, None, False, 4, 0, track)
+    return [[n for n, _ in call] for call in syncs]
+
+
+def _broadcast_transposed_source(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
+    # Rank 1 of 2, the source, passes a transposed (non-contiguous) view.
+    fake = FakeDist(1, 2)
+    mp.setattr(m, "dist", fake)
+    m.broadcast_tensor(torch.arange(6.0).reshape(2, 3).t(), 1, object())
+    return fake.contiguous
 
 
 def _moe_names_without_z(m: ModuleType, mp: pytest.MonkeyPatch) -> Any:
@@ -807,6 +841,11 @@ BEHAVIOUR: dict[str, tuple[Check, Any, Any]] = {
         [[AUX], [AUX], [Z]],
         [[Z, AUX], [Z, AUX], [Z]],
     ),
+    "track_names_aux_before_z_loss": (_track_names_order, [Z, AUX], [AUX, Z]),
+    # the reference reduces in sorted order on every rank; the lineage copy in its own
+    # insertion order (the router's), which its peer, pre-initialised from [AUX, Z], does not
+    "moe_wired_names_paired_by_position": (_wired_recording_stage, [[AUX, Z]], [[Z, AUX]]),
+    "broadcast_source_not_contiguous": (_broadcast_transposed_source, [True], [False]),
     "moe_always_reports_z_loss": (
         _moe_names_without_z,
         ([], [AUX]),
@@ -959,6 +998,12 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
         frozenset({"mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}),
         # The rank-0 situation lists the collectives each rank enters, the agreement one too.
         frozenset({"moe_raises_on_rank0", "moe_steady_state_decided_locally"}),
+        # Both reduce in the tracker's insertion order (the lineage copy by design, with its
+        # names in NeMo-RL's order): a recording stage's order shows in either situation.
+        frozenset({"moe_local_insertion_order", "moe_wired_names_paired_by_position"}),
+        # The lineage copy carries the names' order among its defects; its situation is a
+        # recording stage whose reduction order the names' order does not change in the
+        # reference's sorted reduction, so that one shows in one direction only (ALSO_SHOWS_IN).
     }
 )
 #: (mutant, other): the mutant's bug also shows in the other's situation, not the other way
@@ -968,6 +1013,7 @@ OVERLAPS: frozenset[frozenset[str]] = frozenset(
 #: clean_metrics_in_tracker zeroes only acceptance_counts).
 ALSO_SHOWS_IN: frozenset[tuple[str, str]] = frozenset(
     {("mtp_nemo_rl_reads_loss_values_only", "mtp_acceptance_unclamped_total")}
+    | {("moe_wired_names_paired_by_position", "track_names_aux_before_z_loss")}
     | (
         {
             ("mtp_nemo_rl_reads_loss_values_only", "mtp_reduce_on_logging_rank_only"),

@@ -6,7 +6,8 @@ describes them, written independently of pipemetrics' reference and deliberately
 
 * ``broadcast_tensor`` sends the metadata with ``broadcast_object_list`` from the source, as the
   document says; an invalid input raises ``ValueError`` on the rank that holds it, and nowhere
-  else (its peers are left in the next collective: the document promises no more);
+  else (its peers are left in the next collective: the document promises no more); the source
+  sends a contiguous copy of its tensor (a view's storage is not its values);
 * ``get_aux_loss_track_names`` returns the load-balancing names only (no ``z_loss``);
 * ``get_moe_metrics`` pre-initialises only when ``num_layers`` and a non-empty ``track_names``
   are given (entries mirror the router's groups, which is what "must mirror what the router
@@ -69,7 +70,8 @@ def broadcast_tensor(
         elif tensor.device != device:
             raise ValueError(f"Rank {rank}: buffer device {tensor.device} != {device}")
     assert tensor is not None
-    dist.broadcast(tensor, src=src_rank, group=group)
+    # "Broadcasts a tensor": its values, and a view's storage is not (gloo sends it as it lies)
+    dist.broadcast(tensor.contiguous() if rank == src_rank else tensor, src=src_rank, group=group)
     return tensor
 
 
