@@ -9,6 +9,7 @@ test_properties_runner.py).
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -223,7 +224,7 @@ def outcome_of(lines: list[str]) -> list[str]:
 
 def assert_replay_reproduces(entry: dict[str, Any], out: Path) -> None:
     """`pipemetrics replay` of the failure file judges as the runner did, and exits 1."""
-    scenario_file = entry["replay"].split(" ", 2)[2]
+    scenario_file = shlex.split(entry["replay"])[2]
     assert replay_main(scenario_file, impl=None, raw=False, json_out=str(out)) == 1, entry["id"]
     replayed = json.loads(out.read_text())
     assert replayed["property"] == entry["id"]

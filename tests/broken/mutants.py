@@ -971,3 +971,16 @@ def write_mutant(name: str, directory: Path) -> Path:
     path = directory / f"{name}.py"
     path.write_text(source, encoding="utf-8")
     return path
+
+
+def write_combined(names: tuple[str, ...], directory: Path) -> Path:
+    """Write ``<directory>/<name>__<name>....py``: the reference with the edits of every mutant
+    of ``names`` applied in turn (independent bugs at once, for a run that must report each)."""
+    source = reference_source()
+    for name in names:
+        source = apply_edits(source, MUTANTS[name].edits, name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{'__'.join(names)}.py"
+    path.write_text(source, encoding="utf-8")
+    return path
