@@ -17,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from pipemetrics.properties.diagnosis import Cause
 from pipemetrics.properties.effort import GENERATOR_CLASSES
 
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "reference" / "megatron_common.py"
@@ -87,6 +88,10 @@ class Mutant(BaseModel):
     profile: Literal["seed", "megatron", "strict"] = "seed"
     """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
     document leaves open and only the reference promises)."""
+    cause: Cause | None = None
+    """The cause the first diagnosis line of its failure must name (`diagnosis.PHRASES`)."""
+    no_cause: str = ""
+    """Why the mutant has no cause to name (not a value bug, or one outside the hypotheses)."""
     caught_by_classes: tuple[str, ...] = ()
     """The generator classes (`GENERATOR_CLASSES`) that expose this bug: the check must pass
     with ``--without-class`` each of them (the generators before those classes miss it) and fail
@@ -116,6 +121,12 @@ class Mutant(BaseModel):
         if unknown:
             raise ValueError(f"unknown conformance property IDs {unknown}")
         return value
+
+    @model_validator(mode="after")
+    def _cause_or_why_not(self) -> Mutant:
+        if (self.cause is None) == (not self.no_cause):
+            raise ValueError(f"{self.name}: give exactly one of cause and no_cause")
+        return self
 
     @field_validator("caught_by_classes")
     @classmethod
@@ -154,6 +165,7 @@ _MUTANTS: list[Mutant] = [
         fails=("steps.interleaved",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -173,6 +185,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -191,6 +204,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
         profile="strict",
         caught_by_classes=("multi_step",),
     ),
@@ -221,6 +235,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="reduction_missing",
         caught_by_classes=("wide_world",),
     ),
     Mutant(
@@ -246,6 +261,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (the MTP layers' slots zeroed on some stages)",
         caught_by_classes=("flexible_layout", "virtual_pipeline"),
     ),
     Mutant(
@@ -274,6 +290,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
         caught_by_classes=("virtual_pipeline",),
     ),
     Mutant(
@@ -295,6 +312,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_preinit_without_mtp",
@@ -325,6 +343,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="mismatch",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_local_insertion_order",
@@ -349,6 +368,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="paired_out_of_order",
     ),
     Mutant(
         name="moe_raises_on_rank0",
@@ -370,6 +390,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_mean_over_num_layers",
@@ -387,6 +408,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="mean_denominator",
     ),
     Mutant(
         name="mtp_zero_based_keys",
@@ -398,6 +420,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="mtp_acceptance_scaled",
@@ -415,6 +438,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        cause="loss_scale_on_rate",
     ),
     Mutant(
         name="mtp_acceptance_unclamped_total",
@@ -433,6 +457,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (an unclamped denominator: NaN where the rate is 0)",
     ),
     Mutant(
         name="mtp_empty_layer_rate_hundred",
@@ -453,6 +478,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (a rate of 100 for a layer without tokens)",
     ),
     Mutant(
         name="moe_tracker_not_cleared",
@@ -465,6 +491,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
     ),
     Mutant(
         name="track_names_always_z_loss",
@@ -486,6 +513,7 @@ _MUTANTS: list[Mutant] = [
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
         sim_outcome=None,
+        no_cause="not a value bug: get_aux_loss_track_names returns a wrong list of names",
     ),
     Mutant(
         name="moe_always_reports_z_loss",
@@ -502,6 +530,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.names",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="broadcast_local_buffer_check",
@@ -521,6 +550,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.errors_everywhere",),
         functions=("broadcast_tensor",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
         profile="strict",
     ),
     Mutant(
@@ -538,6 +568,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.loss_scale",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="loss_scale_twice",
     ),
     Mutant(
         name="moe_per_layer_one_based",
@@ -549,6 +580,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.per_layer",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="mtp_loss_unscaled",
@@ -565,6 +597,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.loss_scale",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        cause="loss_scale_missing",
     ),
     Mutant(
         name="round_up_off_by_one",
@@ -584,6 +617,7 @@ _MUTANTS: list[Mutant] = [
         fails=("round_up.least_multiple",),
         functions=("_round_up_to_multiple",),
         sim_outcome=None,
+        no_cause="not a metric value: _round_up_to_multiple's integer result",
     ),
     Mutant(
         name="broadcast_none_receiver_default_dtype",
@@ -603,6 +637,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.roundtrip",),
         functions=("broadcast_tensor",),
         sim_outcome="mismatch",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="broadcast_receiver_fresh_tensor",
@@ -630,6 +665,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.receiver_buffer",),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a metric value: a broadcast tensor returned in a new buffer",
     ),
     Mutant(
         name="broadcast_global_src_as_group_src",
@@ -662,6 +698,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.roundtrip", "broadcast.receiver_buffer"),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a metric value: a broadcast tensor from the wrong source",
         caught_by_classes=("group_broadcast",),
     ),
     Mutant(
@@ -687,6 +724,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.value_error",),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
     ),
     Mutant(
         name="moe_placeholder_skips_dp_avg",
@@ -710,6 +748,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.rank_agreement",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="judged by rank agreement (ranks compared with each other), not against the oracle's values",
     ),
     Mutant(
         name="moe_total_loss_overwritten",
@@ -727,6 +766,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.total_loss_dict",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words (total_loss_dict overwritten instead of accumulated)",
     ),
     Mutant(
         name="moe_nan_mean_zeroed",
@@ -746,6 +786,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.router_mode",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (a NaN mean replaced by 0)",
     ),
     Mutant(
         name="mtp_reduce_on_logging_rank_only",
@@ -769,6 +810,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="mtp_tracker_not_cleaned",
@@ -791,6 +833,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.reset",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
     ),
     Mutant(
         name="moe_loss_scale_tensor_rejected",
@@ -810,6 +853,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
         profile="strict",
     ),
@@ -830,6 +874,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -850,6 +895,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -868,6 +914,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -911,6 +958,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="moe_num_layers_none_crash",
@@ -929,6 +977,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
     ),
 ]
 
