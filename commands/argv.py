@@ -47,6 +47,8 @@ def argv_for(
         flag = action.option_strings[-1] if action.option_strings else None
         if type(action) is argparse._StoreTrueAction:
             options.append(_flag(action, flag))
+        elif type(action) is argparse._ExtendAction:
+            options += [_flag(action, flag), *(_text(action, item) for item in value)]
         elif type(action) is argparse._AppendAction:
             if default:  # argparse appends to a non-empty default: it could never round-trip
                 raise TypeError(f"{action.dest}: an appending option with a default")

@@ -28,6 +28,7 @@ from pipemetrics.commands.argv import child_command
 from pipemetrics.commands.options import (
     CHECK_TIER,
     add_json_out,
+    add_list,
     add_load_timeout,
     add_profile,
     add_report_dir,
@@ -109,13 +110,10 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="property IDs expected to fail (do not break conformance)",
     )
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        default=None,
-        metavar="ID",
+    add_list(
+        parser, "--only", dest="only", metavar="ID",
         help="run only these property IDs (or families: moe, mtp.*)",
-    )
+    )  # fmt: skip
     add_report_dir(parser)
     parser.add_argument(
         "--database",
@@ -131,13 +129,10 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on shrinking one failure (default: from the profile)",
     )
     add_load_timeout(parser)
-    parser.add_argument(
-        "--without-class",
-        action="append",
-        default=[],
-        metavar="CLASS",
-        help="do not generate inputs of this class (repeatable): " + ", ".join(GENERATOR_CLASSES),
-    )
+    add_list(
+        parser, "--without-class", dest="without_class", metavar="CLASS",
+        help="do not generate inputs of these classes: " + ", ".join(GENERATOR_CLASSES),
+    )  # fmt: skip
     add_tier(parser, default=CHECK_TIER)
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
@@ -245,7 +240,7 @@ def run_check(args: argparse.Namespace) -> int:
         effort = get_effort(args.hypothesis_profile)
         if args.shrink_seconds is not None:
             effort = replace(effort, shrink_budget_s=args.shrink_seconds)
-        effort = effort.without(args.without_class)
+        effort = effort.without(args.without_class or [])
         selection: Selection = select(args.only, args.skip, args.xfail, profile=args.profile)
     except (SelectionError, ValueError, OSError) as exc:
         _err(f"pipemetrics check: {exc}")

@@ -83,3 +83,21 @@ def add_json_out(parser: argparse.ArgumentParser, *, what: str) -> None:
     parser.add_argument(
         "--json", dest="json_out", default=None, metavar="FILE", help=f"write {what} as JSON"
     )
+
+
+def add_list(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    *,
+    dest: str,
+    help: str,
+    metavar: str,
+    choices: tuple[str, ...] | None = None,
+) -> None:
+    """An option that takes several values, taken the same way by every command: one or more
+    after the flag, and the flag repeatable (``--only a b``, ``--only a --only b``; ``--family``,
+    ``--without-class``, ``--merge``). Unset it is ``None``; set, the list in order."""
+    parser.add_argument(
+        flag, dest=dest, action="extend", nargs="+", default=None, choices=choices,
+        metavar=metavar, help=f"{help} (one or more; the option may be repeated)",
+    )  # fmt: skip

@@ -13,6 +13,7 @@ from pipemetrics.commands.argv import argv_for, command_args
 from pipemetrics.commands.options import (
     PROVE_TIER,
     add_json_out,
+    add_list,
     add_load_timeout,
     add_profile,
     add_report_dir,
@@ -31,7 +32,12 @@ from pipemetrics.properties.prove import (
 from pipemetrics.properties.prove_families import FAMILY_NAMES
 from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.probe import probe_target
-from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError, resolve_builtin
+from pipemetrics.sim.target import (
+    API_FUNCTIONS,
+    TargetLoadError,
+    resolve_builtin,
+    resolve_target,
+)
 
 EXIT_PROVEN, EXIT_DISPROVEN, EXIT_USAGE = 0, 1, 2
 
@@ -60,16 +66,11 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="A,B",
         help="sizes tp, cp and dp each take (default: %(default)s)",
     )
-    parser.add_argument(
-        "--family",
-        dest="families",
-        action="append",
-        choices=FAMILY_NAMES,
-        default=[],
-        metavar="NAME",
-        help="run only this family of cases (repeatable; the certificate names the families "
-        "left out, which are not proven): " + ", ".join(FAMILY_NAMES),
-    )
+    add_list(
+        parser, "--family", dest="families", choices=FAMILY_NAMES, metavar="NAME",
+        help="run only these families of cases (the certificate names the families left out, "
+        "which are not proven): " + ", ".join(FAMILY_NAMES),
+    )  # fmt: skip
     parser.add_argument(
         "--steps",
         type=int,
@@ -98,13 +99,10 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --ray: how many shards (default: one per CPU of the cluster)",
     )
-    parser.add_argument(
-        "--merge",
-        nargs="+",
-        default=None,
-        metavar="CERT",
+    add_list(
+        parser, "--merge", dest="merge", metavar="CERT",
         help="merge shard certificates: check they cover the bound exactly once",
-    )
+    )  # fmt: skip
     add_json_out(parser, what="the certificate")
     add_tier(parser, default=PROVE_TIER)
     add_report_dir(parser)
@@ -115,7 +113,7 @@ def bound_from_args(args: argparse.Namespace) -> Bound:
     """The bound the flags of `add_prove_arguments` ask for."""
     return Bound(
         max_pp=args.max_pp, max_world=args.max_world, steps=args.steps, profile=args.profile,
-        families=tuple(args.families), parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
+        families=tuple(args.families or ()), parallel_sizes=tuple(int(x) for x in args.parallel_sizes.split(",")),
     )  # fmt: skip
 
 
@@ -123,7 +121,7 @@ def bound_options(bound: Bound) -> dict[str, Any]:
     """The option values that ask for ``bound`` (by dest; the inverse of `bound_from_args`)."""
     return {
         "max_pp": bound.max_pp, "max_world": bound.max_world, "steps": bound.steps,
-        "profile": bound.profile, "families": list(bound.families),
+        "profile": bound.profile, "families": list(bound.families) or None,
         "parallel_sizes": ",".join(map(str, bound.parallel_sizes)),
     }  # fmt: skip
 
@@ -159,6 +157,7 @@ def prove_main(args: argparse.Namespace) -> int:
                 raise ValueError("--shard: not with --ray, which runs every shard (use --shards N)")
             if args.ray is None and args.shards is not None:
                 raise ValueError("--shards: only with --ray (use --shard K/N otherwise)")
+            args.impl = resolve_target(args.impl)  # the scenario files name it from anywhere
             functions = frozenset(probe_target(resolve_builtin(args.impl), args.load_timeout))
             if not functions:
                 raise ValueError(
@@ -200,29 +199,43 @@ def _load(path: str) -> Certificate:
         raise MergeError(f"{path}: not a prove certificate ({exc.error_count()} errors)") from exc
 
 
-def _print(cert: Certificate) -> None:
-    out = sys.stdout
+def verdict_line(cert: Certificate) -> str:
+    """The certificate's one-line verdict: what ran, out of what, and what failed (true
+    whether the run covered the bound, one shard, or stopped at its first failing case)."""
     k, n = cert.shard
     total = cert.cases.get("total", 0)
     scope = f"shard {k}/{n}: " if n > 1 else ""
-    out.write(
-        f"{cert.target}: {'PROVEN' if cert.proven else 'DISPROVEN'} for {scope}{total} of the "
-        f"{cert.cases_in_bound} cases of the bound ({cert.bound.describe()})"
-        + (f", {cert.coverage.skipped} skipped (their functions are absent)"
-           if cert.coverage.skipped else "")
+    counted = f"{total} of the {cert.cases_in_bound} cases of the bound"
+    if cert.proven:
+        head = f"PROVEN for {scope}{counted}"
+    else:
+        stopped = ", stopped at the first failing case" if cert.stopped_early else ""
+        head = (
+            f"DISPROVEN for {scope}{cert.failing_cases} of the {total} cases run ({counted} "
+            f"run{stopped}; {len(cert.failures)} properties fail)"
+        )
+    skipped = cert.coverage.skipped
+    return (
+        f"{cert.target}: {head} ({cert.bound.describe()})"
+        + (f", {skipped} skipped (their functions are absent)" if skipped else "")
         + f", {cert.properties_judged} property judgements, {cert.seconds:.0f} s on the "
-        f"{cert.tier} tier\n"
-    )  # fmt: skip
+        f"{cert.tier} tier"
+    )
+
+
+def _print(cert: Certificate) -> None:
+    out = sys.stdout
+    out.write(verdict_line(cert) + "\n")
     out.write(f"  {cert.coverage.summary()}\n")
     classes = ", ".join(f"{key} {count}" for key, count in cert.cases.items() if key != "total")
     out.write(f"  cases by class: {classes}\n")
+    for entry in cert.failures:
+        first = entry.smallest
+        out.write(f"  {entry.property}: fails in {entry.cases} case(s); smallest: {first.case}\n")
+        for line in first.problems[:3]:
+            out.write(f"    {line[:800]}\n")
+        out.write(f"    replay (process tier): {first.replay}\n")
     if cert.failure is not None:
-        out.write(f"  first failing case: {cert.failure.case}\n")
-        by_problem: dict[str, list[str]] = {}
-        for prop, lines in cert.failure.properties.items():
-            by_problem.setdefault(lines[0], []).append(prop)
-        for line, props in by_problem.items():
-            out.write(f"  {', '.join(props)}: {line[:800]}\n")
+        out.write(f"  the smallest failing case ({cert.failure.case}):\n")
         out.write(cert.failure.picture.rstrip() + "\n")
-        out.write(f"  replay (process tier): {cert.failure.replay}\n")
     out.flush()

@@ -11,8 +11,9 @@ a hole in the certificate) and the driver waits for all of them.
 The workers need pipemetrics, torch and megatron-core installed (the cluster's environment),
 and the target loadable by the name given: an installed module, or a path every worker sees (a
 shared filesystem). A worker whose copy of the target differs from the driver's (another
-sha256) refuses to run it. A failing shard's scenario file is sent back and written into the
-driver's report directory, so ``pipemetrics replay`` works where the command was run.
+sha256) refuses to run it. A failing shard's scenario files (one per failing property) are
+sent back and written into the driver's report directory, so ``pipemetrics replay`` works where
+the command was run.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from typing import Any
 
 from pipemetrics.commands.argv import child_command, command_args
 from pipemetrics.commands.prove import bound_options
-from pipemetrics.properties.prove import Bound, Certificate, Failure, merge, target_sha256
+from pipemetrics.properties.prove import Bound, Certificate, merge, target_sha256
 from pipemetrics.sim.pool import Tier
+from pipemetrics.sim.scenario import replay_command
 
 RAY_EXTRA = "pip install 'pipemetrics[ray]'"
 
@@ -40,9 +42,9 @@ class RayRunError(RuntimeError):
 
 def run_shard(
     target: str, sha256: str | None, bound_json: str, shard: tuple[int, int], tier: Tier
-) -> tuple[str, str | None]:
-    """One shard on this worker: its certificate as JSON, and the failing case's scenario file
-    (its text) when the shard is disproven.
+) -> tuple[str, dict[str, str]]:
+    """One shard on this worker: its certificate as JSON, and the scenario file (its text) of
+    each failing property's smallest case, by property.
 
     The shard runs as ``pipemetrics prove --shard K/N`` in a child process with a private
     TMPDIR, removed afterwards: a Ray worker is long-lived and ends by being killed, so nothing
@@ -75,12 +77,11 @@ def run_shard(
         cert = Certificate.model_validate_json(out.read_text(encoding="utf-8"))
         if cert.bound != bound:
             raise RayRunError(f"shard {k}/{n}: ran bound {cert.bound}, asked for {bound}")
-        scenario = (
-            Path(cert.failure.scenario_file).read_text(encoding="utf-8")
-            if cert.failure is not None
-            else None
-        )
-        return cert.model_dump_json(), scenario
+        scenarios = {
+            entry.property: Path(entry.smallest.scenario_file).read_text(encoding="utf-8")
+            for entry in cert.failures
+        }
+        return cert.model_dump_json(), scenarios
 
 
 def _ray() -> Any:
@@ -152,7 +153,7 @@ def _run_shards(
         task.remote(target, sha, bound.model_dump_json(), (k, shards), tier): k
         for k in range(1, shards + 1)
     }
-    results: dict[int, tuple[str, str | None]] = {}
+    results: dict[int, tuple[str, dict[str, str]]] = {}
     while pending:
         if progress is not None:
             progress(len(results), shards, f"{len(pending)} shards running on Ray")
@@ -169,18 +170,22 @@ def _run_shards(
     return merge([_certificate(*results[k], report_dir) for k in sorted(results)])
 
 
-def _certificate(cert_json: str, scenario: str | None, report_dir: Path) -> Certificate:
-    """A shard's certificate, its failing scenario (if any) written into ``report_dir``."""
+def _certificate(cert_json: str, scenarios: dict[str, str], report_dir: Path) -> Certificate:
+    """A shard's certificate, each failing property's scenario written into ``report_dir``."""
     cert = Certificate.model_validate_json(cert_json)
-    if cert.failure is None or scenario is None:
+    if not cert.failures:
         return cert
     report_dir.mkdir(parents=True, exist_ok=True)
-    path = report_dir / f"prove-failure-shard-{cert.shard[0]}-of-{cert.shard[1]}.json"
-    path.write_text(scenario, encoding="utf-8")
-    failure: Failure = cert.failure.model_copy(
-        update={"scenario_file": str(path), "replay": f"pipemetrics replay {path}"}
-    )
-    return cert.model_copy(update={"failure": failure})
+    k, n = cert.shard
+    failures = []
+    for entry in cert.failures:
+        path = (report_dir / f"prove-{entry.property}-shard-{k}-of-{n}.json").resolve()
+        path.write_text(scenarios[entry.property], encoding="utf-8")
+        moved = entry.smallest.model_copy(
+            update={"scenario_file": str(path), "replay": replay_command(path, cert.target)}
+        )
+        failures.append(entry.model_copy(update={"smallest": moved}))
+    return cert.model_copy(update={"failures": failures})
 
 
 __all__ = ["RAY_EXTRA", "RayRunError", "prove_on_ray", "run_shard"]

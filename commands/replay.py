@@ -19,7 +19,7 @@ from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.protocol import RunMode
 from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.target import TargetLoadError
+from pipemetrics.sim.target import TargetLoadError, locate_target
 from pipemetrics.sim.world import World, WorldStartError
 
 
@@ -63,6 +63,17 @@ def replay_main(
             print(f"pipemetrics replay: {exc}", file=sys.stderr)
             return 2
         scenario = scenario.model_copy(update={"target": impl})
+    else:
+        try:
+            locate_target(scenario.target)
+        except TargetLoadError as exc:
+            print(
+                f"pipemetrics replay: {path}: the scenario's target {scenario.target!r} is not "
+                f"there ({exc}); point --impl at it: pipemetrics replay {path} --impl "
+                "PATH_OR_MODULE",
+                file=sys.stderr,
+            )
+            return 2
     try:
         with World(scenario.setup.world) as world:
             run = world.run(scenario, mode=RunMode.RAW if raw else RunMode.GATED)

@@ -33,7 +33,7 @@ from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.interrupt import raise_if_interrupted
 from pipemetrics.sim.pool import Tier, WorldPool
-from pipemetrics.sim.scenario import Scenario, save_scenario
+from pipemetrics.sim.scenario import Scenario, replay_command, save_scenario
 from pipemetrics.sim.summary import layout_picture, what_ranks_did
 from pipemetrics.sim.world import WorldStartError
 
@@ -236,7 +236,7 @@ def _failure_message(failure: _Failure, flaky: bool) -> str:
 def _write_replay(prop: Property, failure: _Failure, report_dir: Path) -> str:
     report_dir.mkdir(parents=True, exist_ok=True)
     path = save_scenario(failure.scenario, report_dir / f"{prop.id}.json")
-    return f"pipemetrics replay {path}"
+    return replay_command(path, failure.scenario.target)
 
 
 def run_property(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pipemetrics.properties.diagnosis import diagnose_moe, diagnose_mtp
 from pipemetrics.properties.reachable import dev_recorded_mtp
 from pipemetrics.properties.runview import (
     CallView,
@@ -173,16 +174,46 @@ def _per_rank(
     run: WorldRun,
     kind: type,
     check: Callable[[CallView, int, dict[str, float], Any], list[str]],
+    diagnosed: Callable[[str], bool] | None = None,
 ) -> list[str]:
-    """``check(view, rank, expected, actual)`` over every call of ``kind`` and every rank."""
+    """``check(view, rank, expected, actual)`` over every call of ``kind`` and every rank. With
+    ``diagnosed`` (the keys whose values the property judges), a call with problems is led by
+    its diagnosis line where one cause, or a set of equally good candidates, explains every
+    wrong value among those keys (`pipemetrics.properties.diagnosis`)."""
     problems = []
     for view, expected in _views(scenario, run, kind):
         held = _held_zero_names(scenario, view)
+        actual: dict[int, Any] = {}
+        found = []
         for rank, report in sorted(view.reports.items()):
             want = expected.get(rank, {})
-            for line in check(view, rank, want, _reported(report.value, want, held)):
-                problems.append(f"{_where(view, rank)}: {line}")
+            actual[rank] = _reported(report.value, want, held)
+            for line in check(view, rank, want, actual[rank]):
+                found.append(f"{_where(view, rank)}: {line}")
+        if found and diagnosed is not None:
+            found[:0] = _diagnosis(scenario, view, expected, actual, diagnosed)
+        problems += found
     return problems
+
+
+def _diagnosis(
+    scenario: Scenario,
+    view: CallView,
+    expected: Expected,
+    actual: dict[int, Any],
+    keep: Callable[[str], bool],
+) -> list[str]:
+    """The call's diagnosis line, if it has one."""
+    if isinstance(view.spec, MtpCall):
+        found = diagnose_mtp(view.step, view.spec, expected, actual, keep)
+    else:
+        assert isinstance(view.spec, MoeCall)
+        snapshots = {rank: report.snapshot for rank, report in view.reports.items()}
+        found = diagnose_moe(
+            view.step, snapshots, places_for(scenario.setup.world), view.spec, expected,
+            actual, keep, view.reports,
+        )  # fmt: skip
+    return [] if found is None else [found.line()]
 
 
 # -- MoE ---------------------------------------------------------------------------------------
@@ -202,7 +233,7 @@ def moe_values(scenario: Scenario, run: WorldRun) -> list[str]:
         for view in call_views(scenario, run)
         if (line := composed_disagreement(view)) is not None
     ]
-    problems += _per_rank(scenario, run, MoeCall, check)
+    problems += _per_rank(scenario, run, MoeCall, check, _is_mean)
     return problems + _composed_orders(scenario, run) if problems else []
 
 
@@ -263,6 +294,7 @@ def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
         run,
         MoeCall,
         lambda view, rank, exp, act: _keyed(exp, act, _is_per_layer, "per-layer"),
+        _is_per_layer,
     )
 
 
@@ -270,38 +302,19 @@ def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
 def moe_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Means and per-layer values equal the oracle's (router mode: megatron's own records)."""
     return _per_rank(
-        scenario, run, MoeCall, lambda v, r, exp, act: _keyed(exp, act, lambda k: True, "")
+        scenario, run, MoeCall, lambda v, r, exp, act: _keyed(exp, act, _every, ""), _every
     )
 
 
-def _recomputed(view: CallView, scenario: Scenario, loss_scale: float) -> Expected:
-    """The oracle's expectation had the call been made with another ``loss_scale``."""
-    assert isinstance(view.spec, MoeCall | MtpCall)
-    other = view.spec.model_copy(update={"loss_scale": loss_scale})
-    return _expect(scenario, CallView(view.step, view.index, other, view.reports))
-
-
-def _scale_hint(scenario: Scenario, view: CallView, rank: int, key: str, actual: Any) -> str:
-    """A diagnosis of a wrong value, only when recomputing the oracle under that hypothesis
-    (loss_scale not applied: 1.0; applied twice: its square) reproduces the observed value."""
-    assert isinstance(view.spec, MoeCall | MtpCall)
-    scale, number = view.spec.loss_scale, oracle.as_number(actual)
-    if number is None:
-        return ""
-    for hypothesis, hint in ((1.0, "not applied"), (scale * scale, "applied twice")):
-        if hypothesis == scale:
-            continue
-        value = _recomputed(view, scenario, hypothesis).get(rank, {}).get(key)
-        if value is not None and close(number, value):
-            return f" (loss_scale {hint}: recomputing with loss_scale={hypothesis!r} gives it)"
-    return ""
+def _every(key: str) -> bool:
+    return True
 
 
 def _scaled_problems(
     scenario: Scenario, run: WorldRun, kind: type, keep: Callable[[str], bool]
 ) -> list[str]:
     """Wrong values among the keys ``keep`` selects, each with the loss_scale it was called
-    with and a hint where an exact recomputation explains it."""
+    with, each call led by its diagnosis where one explains its wrong values."""
 
     def check(view: CallView, rank: int, exp: dict[str, float], act: Any) -> list[str]:
         assert isinstance(view.spec, MoeCall | MtpCall)
@@ -313,19 +326,16 @@ def _scaled_problems(
                 oracle.value_difference(key, value, act[key]) if keep(key) and key in act else None
             )
             if diff is not None:
-                problems.append(
-                    f"{diff} with loss_scale={view.spec.loss_scale!r}"
-                    + _scale_hint(scenario, view, rank, key, act[key])
-                )
+                problems.append(f"{diff} with loss_scale={view.spec.loss_scale!r}")
         return problems
 
-    return _per_rank(scenario, run, kind, check)
+    return _per_rank(scenario, run, kind, check, keep)
 
 
 @_guarded
 def moe_loss_scale(scenario: Scenario, run: WorldRun) -> list[str]:
     """Means and per-layer values are scaled by loss_scale exactly once."""
-    return _scaled_problems(scenario, run, MoeCall, lambda k: True)
+    return _scaled_problems(scenario, run, MoeCall, _every)
 
 
 @_guarded
@@ -584,7 +594,7 @@ def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
 def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Every MTP key and value equals the oracle's."""
     return _per_rank(
-        scenario, run, MtpCall, lambda v, r, exp, act: _keyed(exp, act, lambda k: True, "")
+        scenario, run, MtpCall, lambda v, r, exp, act: _keyed(exp, act, _every, ""), _every
     )
 
 

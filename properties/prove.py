@@ -5,10 +5,12 @@ them enumerates and fixes are in `pipemetrics.properties.prove_families` (`FAMIL
 a case is one scenario (`pipemetrics.properties.prove_cases`), judged by every property of the
 semantic profile its calls concern, with the judges of ``check``. A target that defines only
 some of the five functions is proven on those: the cases of the others are skipped and the
-certificate names the functions absent. The first failing case (cases run smallest world first)
-is written as a scenario file that ``pipemetrics replay`` runs on the process tier; shards
+certificate names the functions absent. Every case of the bound (or shard) runs; each failing
+property is counted, and its smallest counterexample (its first failing case in the canonical
+order of `enumerate_cases`: smallest world first, the inputs trainers meet before degenerate
+ones) is written as a scenario file that ``pipemetrics replay`` runs on the process tier; shards
 (``--shard K/N``: every N-th case from the K-th) merge into one certificate only when they cover
-the bound exactly once (the digest of every case key).
+the bound exactly once (the digest of every case key), keeping each property's smallest case.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pydantic import Field
 
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.prove_cases import (
@@ -39,7 +43,7 @@ from pipemetrics.properties.prove_cases import (
 from pipemetrics.properties.prove_families import FAMILIES, FIXED, enumerate_cases
 from pipemetrics.sim.layout import Frozen
 from pipemetrics.sim.pool import Tier, WorldPool
-from pipemetrics.sim.scenario import Scenario, save_scenario
+from pipemetrics.sim.scenario import Scenario, replay_command, save_scenario
 from pipemetrics.sim.summary import layout_picture
 from pipemetrics.sim.target import API_FUNCTIONS, is_path_target, resolve_builtin
 
@@ -58,13 +62,26 @@ def shard_of(cases: list[AnyCase], shard: tuple[int, int]) -> list[AnyCase]:
 
 
 class Failure(Frozen):
+    """A property's smallest counterexample: its first failing case in canonical order."""
+
     case: str
-    properties: dict[str, list[str]]
-    """Each failing property's problems (at most 8 lines each)."""
+    index: int
+    """The case's position in the whole bound's canonical order (`enumerate_cases`): the
+    smaller, the smaller the counterexample (merging shards keeps the smallest)."""
+    problems: list[str]
+    """The property's problems in that case (at most 8 lines)."""
     scenario_file: str
     replay: str
     picture: str
     """The layout picture of the failing run (stages, groups, where each rank stood)."""
+
+
+class PropertyFailures(Frozen):
+    """One property that failed: in how many of the cases run, and its smallest case."""
+
+    property: str
+    cases: int
+    smallest: Failure
 
 
 class Coverage(Frozen):
@@ -100,7 +117,7 @@ def coverage_of(bound: Bound, defined: frozenset[str], skipped: int) -> Coverage
 
 
 class Certificate(Frozen):
-    """What ``prove`` proved, or the first case that disproved it."""
+    """What ``prove`` proved, or every property it disproved, each with its smallest case."""
 
     target: str
     target_sha256: str | None
@@ -121,7 +138,18 @@ class Certificate(Frozen):
     properties_judged: int
     seconds: float
     proven: bool
-    failure: Failure | None = None
+    failures: list[PropertyFailures] = Field(default_factory=list)
+    """Every failing property, in the order of its smallest case."""
+    failing_cases: int = 0
+    """Cases in which at least one property failed."""
+    stopped_early: bool = False
+    """The run stopped at the first failing case (``stop_at_first``): the counts are of the
+    cases up to it, not of the bound."""
+
+    @property
+    def failure(self) -> Failure | None:
+        """The smallest failing case of any property."""
+        return self.failures[0].smallest if self.failures else None
 
 
 def target_sha256(target: str) -> str | None:
@@ -155,12 +183,16 @@ def prove(
     progress: Callable[[int, int, str], None] | None = None,
     functions: frozenset[str] | None = None,
     pool: WorldPool | None = None,
+    stop_at_first: bool = False,
 ) -> Certificate:
-    """Run every case of ``shard`` of ``bound`` on ``target``; stop at the first failing case.
+    """Run every case of ``shard`` of ``bound`` on ``target`` and judge it; every failing
+    property is counted, and its first failing case (its smallest) written as a scenario file.
 
     ``functions``: the API functions the target defines (None: import it in a child process
     to find out, `pipemetrics.sim.probe.probe_target`); cases calling none of them are skipped.
     ``pool``: live worlds to run in (of ``tier``; the caller closes it), else a pool of its own.
+    ``stop_at_first``: stop at the first failing case (a disproof is all the caller needs; the
+    certificate says it stopped early).
     """
     if functions is None:
         from pipemetrics.sim.probe import probe_target
@@ -170,20 +202,22 @@ def prove(
     todo = shard_of(every, shard)
     began = time.monotonic()
     counts: Counter[str] = Counter()
-    judged = skipped = 0
-    failure: Failure | None = None
+    failing: Counter[str] = Counter()
+    smallest: dict[str, Failure] = {}
+    judged = skipped = failing_cases = ran = 0
     with (
         contextlib.nullcontext(pool)
         if pool is not None
         else WorldPool(max_ranks=16, tier=tier) as worlds
     ):
-        for index, case in enumerate(todo):
+        for position, case in enumerate(todo):
+            ran = position + 1
             properties = case.properties(bound, functions)
             if not properties:
                 skipped += 1
                 continue
             if progress is not None:
-                progress(index, len(todo), case.key)
+                progress(position, len(todo), case.key)
             scenario = case.scenario(target, bound, functions)
             run = worlds.run(scenario)
             problems: dict[str, list[str]] = {}
@@ -195,12 +229,23 @@ def prove(
                     problems[property_id] = found[:8]
             counts.update(case.classes)
             counts["total"] += 1
-            if problems:
-                failure = _failure(case, scenario, problems, report_dir, layout_picture(
-                    scenario, run))  # fmt: skip
+            if not problems:
+                continue
+            failing_cases += 1
+            failing.update(list(problems))
+            index = (shard[0] - 1) + position * shard[1]
+            new = [p for p in problems if p not in smallest]
+            if new:
+                picture = layout_picture(scenario, run)
+                for property_id in new:
+                    smallest[property_id] = _failure(
+                        case, index, scenario, property_id, problems[property_id], report_dir,
+                        picture,
+                    )  # fmt: skip
+            if stop_at_first:
                 break
     if progress is not None:
-        progress(len(todo), len(todo), "done")
+        progress(ran, len(todo), "stopped at the first failing case" if ran < len(todo) else "done")
     return Certificate(
         target=target,
         target_sha256=target_sha256(target),
@@ -217,26 +262,38 @@ def prove(
         coverage=coverage_of(bound, functions, skipped),
         properties_judged=judged,
         seconds=round(time.monotonic() - began, 3),
-        proven=failure is None,
-        failure=failure,
+        proven=not smallest,
+        failures=_ranked(failing, smallest),
+        failing_cases=failing_cases,
+        stopped_early=ran < len(todo),
+    )
+
+
+def _ranked(failing: Counter[str], smallest: dict[str, Failure]) -> list[PropertyFailures]:
+    """Every failing property, ordered by its smallest case, then by ID."""
+    return sorted(
+        (PropertyFailures(property=p, cases=failing[p], smallest=f) for p, f in smallest.items()),
+        key=lambda f: (f.smallest.index, f.property),
     )
 
 
 def _failure(
     case: AnyCase,
+    index: int,
     scenario: Scenario,
-    problems: dict[str, list[str]],
+    property_id: str,
+    problems: list[str],
     report_dir: Path,
     picture: str,
 ) -> Failure:
     report_dir.mkdir(parents=True, exist_ok=True)
-    first = next(iter(problems))
     path = save_scenario(
-        scenario.model_copy(update={"property": first}), report_dir / "prove-failure.json"
+        scenario.model_copy(update={"property": property_id}),
+        report_dir / f"prove-{property_id}.json",
     )
     return Failure(
-        case=case.key, properties=problems, scenario_file=str(path),
-        replay=f"pipemetrics replay {path}", picture=picture,
+        case=case.key, index=index, problems=problems, scenario_file=str(path),
+        replay=replay_command(path, scenario.target), picture=picture,
     )  # fmt: skip
 
 
@@ -270,14 +327,20 @@ def merge(certificates: list[Certificate]) -> Certificate:
         if cert.shard_digest != expected:
             raise MergeError(f"shard {cert.shard[0]}/{n}: its cases are not this bound's shard")
         ran = cert.cases.get("total", 0) + cert.coverage.skipped
-        if cert.proven and ran != len(shard_of(every, cert.shard)):
+        if not cert.stopped_early and ran != len(shard_of(every, cert.shard)):
             raise MergeError(f"shard {cert.shard[0]}/{n}: ran {cert.cases.get('total')} cases")
         if cert.coverage.absent != first.coverage.absent:
             raise MergeError(f"shard {cert.shard[0]}/{n}: the target's functions differ")
     counts: Counter[str] = Counter()
+    failing: Counter[str] = Counter()
+    smallest: dict[str, Failure] = {}
     for cert in certificates:
         counts.update(cert.cases)
-    failures = [c.failure for c in certificates if c.failure is not None]
+        for entry in cert.failures:
+            failing[entry.property] += entry.cases
+            held = smallest.get(entry.property)
+            if held is None or entry.smallest.index < held.index:
+                smallest[entry.property] = entry.smallest
     return first.model_copy(
         update={
             "shard": (1, 1),
@@ -289,7 +352,9 @@ def merge(certificates: list[Certificate]) -> Certificate:
             "properties_judged": sum(c.properties_judged for c in certificates),
             "seconds": round(sum(c.seconds for c in certificates), 3),
             "proven": all(c.proven for c in certificates),
-            "failure": failures[0] if failures else None,
+            "failures": _ranked(failing, smallest),
+            "failing_cases": sum(c.failing_cases for c in certificates),
+            "stopped_early": any(c.stopped_early for c in certificates),
         }
     )
 
@@ -301,13 +366,15 @@ def progress_bar(stream: Any = sys.stderr, unit: str = "cases") -> Callable[[int
 
     def show(done: int, total: int, key: str) -> None:
         percent = 100 * done // max(total, 1)
+        final = done == total or key.startswith("stopped")
         if tty:
             bar = "#" * (percent // 4)
             stream.write(f"\r[{bar:<25}] {done}/{total} {key[:60]:<60}")
-            if done == total:
+            if final:
                 stream.write("\n")
-        elif percent // 5 != last[0] // 5 or done == total:
-            stream.write(f"prove: {done}/{total} {unit} ({percent}%)\n")
+        elif percent // 5 != last[0] // 5 or final:
+            note = f", {key}" if key.startswith("stopped") else ""
+            stream.write(f"prove: {done}/{total} {unit} ({percent}%){note}\n")
         last[0] = percent
         stream.flush()
 
@@ -321,7 +388,9 @@ __all__ = [
     "Case",
     "Certificate",
     "Coverage",
+    "Failure",
     "MergeError",
+    "PropertyFailures",
     "RoundUpCase",
     "TrackNamesCase",
     "distinct_value",

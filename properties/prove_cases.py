@@ -5,7 +5,8 @@ routing, the recorded values' pattern, the step program, the arguments) is fixed
 (`Bound`) limits how many there are. Every family says, as data (`Family`), which input classes
 it enumerates and which it fixes, to what and why: the certificate carries that list, so a
 ``proven`` never claims more than the cases ran. Cases are in a canonical order (`order`: the
-smallest world first), so the first failing case is a smallest one and ``--shard K/N`` can take
+smallest world first, and in one world size the inputs trainers meet before degenerate ones), so
+a property's first failing case is its smallest counterexample and ``--shard K/N`` can take
 every N-th case.
 
 Why a fixed representative stands for its class is argued in each family's ``fixed`` entries and
@@ -92,8 +93,12 @@ FAMILY_ORDER = ("round_up", "track_names", "layouts", "routing", "arguments", "c
                 "flexible", "programs")  # fmt: skip
 """Within one world size and pipeline depth, the order families run in: the broad and few
 first, the numerous last, so that a bug most families show is found after few cases."""
-Order = tuple[int, int, int, int, int, str]
-"""World size, (virtual) stages, family, layers, steps, key: smallest first."""
+Order = tuple[int, int, int, int, int, int, str]
+"""World size, how unusual the case's inputs are (`unusual`: what trainers meet first before
+degenerate inputs), (virtual) stages, family, layers, steps, key: smallest first. The first
+failing case in this order is a property's smallest counterexample."""
+ORDINARY_SCALES = (LOSS_SCALE, 1.0, 2.0**16)
+"""``loss_scale`` values trainers pass (0, negative and huge scales are degenerate)."""
 
 
 def family_rank(family: str) -> int:
@@ -238,11 +243,26 @@ class Case(Frozen):
         return "|".join(parts)
 
     def order(self) -> Order:
-        """Smaller worlds, fewer (virtual) stages first, then by family and layers."""
+        """Smaller worlds first; in one world size the usual inputs before the unusual ones
+        (`unusual`), then fewer (virtual) stages, by family and layers."""
         layers = sum(map(len, self.stages)) + (self.mtp != "none") * self.mtp_layers
         stages = self.world.pp * self.vpp
         rank = family_rank(self.family)
-        return (self.world.world_size, stages, rank, layers, len(self.program), self.key)
+        return (self.world.world_size, self.unusual(), stages, rank, layers, len(self.program),
+                self.key)  # fmt: skip
+
+    def unusual(self) -> int:
+        """How many of the case's inputs are ones trainers rarely meet: more or fewer than one
+        aux-loss type, a type at coefficient 0, z_loss at coefficient 0, a stage without
+        decoder layers, a standalone MTP stage, a token-count edge, extreme magnitudes, a
+        degenerate ``loss_scale`` or argument form."""
+        args = self.arguments
+        return sum((
+            len(self.routing) != 1, self.zero_coefficient is not None, self.z_loss == "zero",
+            "" in self.stages, self.mtp_rank is not None, self.counts != "ordinary",
+            self.value_scale != 1.0, args.loss_scale not in ORDINARY_SCALES,
+            args.track_names not in ("live", "none"), args.mtp_num_layers == "zero",
+        ))  # fmt: skip
 
     @property
     def classes(self) -> list[str]:
@@ -441,7 +461,10 @@ class BroadcastCase(Frozen):
         return key
 
     def order(self) -> Order:
-        return (self.world.world_size, self.world.pp, family_rank(self.family), 0, 0, self.key)
+        unusual = (self.shape == "empty") + (self.dtype in ("bool", "uint8")) + (
+            self.members is not None)  # fmt: skip
+        return (self.world.world_size, unusual, self.world.pp, family_rank(self.family), 0, 0,
+                self.key)  # fmt: skip
 
     @property
     def classes(self) -> list[str]:
@@ -520,7 +543,11 @@ class OneRankCase(Frozen):
         raise NotImplementedError
 
     def order(self) -> Order:
-        return (1, 0, family_rank(self.family), 0, 0, self.key)
+        return (1, self.unusual(), 0, family_rank(self.family), 0, 0, self.key)
+
+    def unusual(self) -> int:
+        """How far the inputs are from the ones trainers pass (0: ordinary)."""
+        return 0
 
     @property
     def classes(self) -> list[str]:
@@ -558,6 +585,18 @@ class TrackNamesCase(OneRankCase):
     @property
     def key(self) -> str:
         return f"track_names|{self.routing_type!r}|{self.aux_loss_coeff!r}"
+
+    def unusual(self) -> int:
+        """One routing type the router knows with a positive coefficient is what trainers
+        pass; a list, a type listed twice, an unknown type, ``none`` or ``sinkhorn``, and an
+        unset or zero coefficient are each one step further out."""
+        types = self.routing_type if isinstance(self.routing_type, tuple) else (self.routing_type,)
+        coeffs = self.aux_loss_coeff if isinstance(self.aux_loss_coeff, tuple) else (
+            self.aux_loss_coeff,)  # fmt: skip
+        return sum((
+            isinstance(self.routing_type, tuple), len(set(types)) < len(types),
+            any(t not in AUX_LOSS_TYPES for t in types), any(not c for c in coeffs),
+        ))  # fmt: skip
 
     def configs(self) -> list[RouterConfig]:
         routing = self.routing_type
@@ -600,6 +639,9 @@ class RoundUpCase(OneRankCase):
     @property
     def key(self) -> str:
         return f"round_up|multiple-{self.multiple if self.multiple is not None else 'large'}"
+
+    def unusual(self) -> int:
+        return int(self.multiple is None)  # values near 2**31, 2**53, 2**62
 
     def calls(self) -> list[CallSpec]:
         pairs: Iterable[tuple[int, int]] = (

@@ -7,6 +7,7 @@ step the calls a trainer makes after it. Scenarios are written as JSON for `pipe
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -89,6 +90,16 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def save_scenario(scenario: Scenario, path: str | Path) -> Path:
-    file = Path(path)
+    """Write ``scenario`` to ``path``; the file's absolute path is returned (what a printed
+    replay command names, so that it runs from any directory)."""
+    file = Path(path).resolve()
     file.write_text(scenario.model_dump_json(indent=2), encoding="utf-8")
     return file
+
+
+def replay_command(path: str | Path, target: str) -> str:
+    """The ``pipemetrics replay`` command line for a scenario file, runnable as printed from any
+    directory: the file's absolute path and ``--impl`` with the target the scenario ran (a path
+    target is absolute already: `pipemetrics.sim.target.resolve_target`), each shell-quoted."""
+    file = str(Path(path).resolve())
+    return f"pipemetrics replay {shlex.quote(file)} --impl {shlex.quote(target)}"

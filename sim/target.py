@@ -52,6 +52,12 @@ def resolve_target(target: str) -> str:
     return str(Path(target).expanduser().resolve()) if is_path_target(target) else target
 
 
+def locate_target(target: str) -> None:
+    """Raise `TargetLoadError` when ``target`` names no file or module there is to load (a path
+    that is not a file, a module not found), without executing it."""
+    _spec_for(resolve_builtin(target))
+
+
 def load_target(target: str) -> ModuleType:
     """Execute the target module afresh and return it.
 

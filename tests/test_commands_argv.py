@@ -36,8 +36,8 @@ def _generated(action: argparse.Action) -> list[str]:
     kind = type(action)
     if kind is argparse._StoreTrueAction:
         return [flag]
-    if kind is argparse._AppendAction:
-        return [flag, _value(action, 0), flag, _value(action, 1)]
+    if kind is argparse._ExtendAction:  # several values at once, and the flag again
+        return [flag, _value(action, 0), _value(action, 1), flag, _value(action, 2)]
     if kind is argparse._StoreAction and action.nargs in ("+", "*"):
         return [flag, _value(action, 0), _value(action, 1)]
     if kind is argparse._StoreAction and action.nargs is None:
@@ -53,6 +53,18 @@ def _options(command: str) -> list[argparse.Action]:
 
 
 CASES = [(command, action.dest) for command in COMMANDS for action in _options(command)]
+
+
+@pytest.mark.parametrize("command", ["check", "prove", "replay", "demo", "bench", "vendor"])
+def test_options_of_several_values_take_them_one_way(command: str) -> None:
+    """Every option that takes several values takes them as ``--opt a b`` and repeated
+    (``options.add_list``), in every command: none appends one value per flag, none takes a
+    fixed list."""
+    parser = command_parser(command)
+    several = [a for a in parser._actions if a.option_strings and (
+        a.nargs in ("+", "*") or isinstance(a, argparse._AppendAction))]  # fmt: skip
+    odd = [a.dest for a in several if type(a) is not argparse._ExtendAction or a.nargs != "+"]
+    assert not odd, f"pipemetrics {command}: {odd} take several values another way"
 
 
 @pytest.mark.parametrize(("command", "dest"), CASES)

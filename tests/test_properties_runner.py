@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -229,14 +230,16 @@ def test_partial_target_reports_absent(tmp_path: Path, bounds: Bounds) -> None:
     assert data["conformant"] is True
 
 
-def test_failure_report_and_replay(tmp_path: Path, bounds: Bounds) -> None:
+def test_failure_report_and_replay(
+    tmp_path: Path, bounds: Bounds, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "wrong_round_up.py"
     target.write_text(
         "def _round_up_to_multiple(value: int, multiple: int) -> int:\n"
         "    return (value // multiple + 1) * multiple\n"
     )
-    code, data, output = check(
-        tmp_path, "--impl", str(target), "--max-examples", "20", bounds=bounds
+    code, data, output = check(  # the target named relative to the check's directory
+        tmp_path, "--impl", target.name, "--max-examples", "20", bounds=bounds, cwd=tmp_path
     )
     assert code == 1, output
     assert data is not None and data["conformant"] is False
@@ -245,8 +248,9 @@ def test_failure_report_and_replay(tmp_path: Path, bounds: Bounds) -> None:
     assert "expected" in entry["message"]
     assert entry["counterexample"]["steps"][0]["calls"][0]["function"] == "_round_up_to_multiple"
     assert entry["replay"].startswith("pipemetrics replay ")
-    replay_file = Path(entry["replay"].split(" ", 2)[2])
+    replay_file = Path(shlex.split(entry["replay"])[2])
     assert replay_file.is_file()
+    assert_printed_replay_runs_elsewhere(entry["replay"], tmp_path, bounds, expect=1)
     assert "minimal counterexample" in output and "reproduce with" in output
     # the replay re-judges with the same property: same verdict, exit 1 while it fails
     saved = json.loads(replay_file.read_text())
@@ -261,6 +265,30 @@ def test_failure_report_and_replay(tmp_path: Path, bounds: Bounds) -> None:
         "    return -(-value // multiple) * multiple\n"
     )
     assert replay_main(str(replay_file), impl=str(fixed), raw=False, json_out=None) == 0
+    # the stored target gone: a usage error that says how to point --impl at it, not a FAIL
+    target.rename(tmp_path / "moved.py")
+    capsys.readouterr()
+    assert replay_main(str(replay_file), impl=None, raw=False, json_out=None) == 2
+    err = capsys.readouterr().err
+    assert "is not there" in err and "--impl" in err and "TargetLoadError" not in err, err
+
+
+def assert_printed_replay_runs_elsewhere(
+    printed: str, tmp_path: Path, bounds: Bounds, *, expect: int
+) -> None:
+    """The replay command as printed (``pipemetrics`` run as this interpreter's module) runs
+    from a directory that is neither the report's nor the target's, and exits ``expect``."""
+    argv = shlex.split(printed)
+    assert argv[:2] == ["pipemetrics", "replay"] and "--impl" in argv, printed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    command = [sys.executable, "-m", "pipemetrics.commands.cli", *argv[1:]]
+    with private_tmpdir() as tmp:
+        done = run_bounded(
+            command, cwd=elsewhere, timeout=bounds(10, 120), env=dict(os.environ, TMPDIR=str(tmp))
+        )
+        assert_no_leftovers(tmp, bounds(1, 10))
+    assert done.returncode == expect, done.stdout
 
 
 def test_only_a_property_of_another_profile_is_a_usage_error(

@@ -35,7 +35,9 @@ from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.target import API_FUNCTIONS
 
 from .broken.mutants import REFERENCE_PATH as REFERENCE
+from .broken.mutants import write_combined
 from .conftest import Bounds, private_tmpdir, run_bounded
+from .test_properties_runner import assert_printed_replay_runs_elsewhere
 
 pytestmark = pytest.mark.skipif(
     inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
@@ -156,6 +158,47 @@ def test_merged_shards_cover_the_bound_exactly_once(tmp_path: Path) -> None:
     other = second.model_copy(update={"bound": Bound(max_pp=1, max_world=1)})
     with pytest.raises(MergeError, match="bound: the certificates differ"):
         merge([first, other])
+
+
+TWO_BUGS = ("round_up_off_by_one", "track_names_always_z_loss")
+"""Two independent bugs, each failing every case of its family (0 is a multiple of every
+multiple; every track_names case has a config without z-loss)."""
+
+
+def test_prove_reports_every_failing_property_with_true_counts(
+    tmp_path: Path, bounds: Bounds
+) -> None:
+    """A target with two independent bugs: the whole bound runs, both properties are reported,
+    each with its count and its smallest case (the first of its family in canonical order: a
+    single known routing type with a positive coefficient before lists and duplicates), and
+    the verdict line says what ran. The printed replay command runs from another directory,
+    the target having been named relative to the prove's."""
+    target = write_combined(TWO_BUGS, tmp_path)
+    out = tmp_path / "cert.json"
+    done = _prove_cli(tmp_path, bounds, "--impl", target.name, "--family", "round_up",
+                      "track_names", "--json", str(out))  # fmt: skip
+    assert done.returncode == 1, done.stdout
+    cert = Certificate.model_validate_json(out.read_text())
+    every = enumerate_cases(cert.bound)
+    per_family = {f: [i for i, c in enumerate(every) if c.family == f]
+                  for f in ("round_up", "track_names")}  # fmt: skip
+    assert cert.cases["total"] == cert.cases_in_bound == len(every) and not cert.stopped_early
+    found = {entry.property: entry for entry in cert.failures}
+    assert set(found) == {"round_up.least_multiple", "track_names.router_parity"}
+    for property_id, family in (("round_up.least_multiple", "round_up"),
+                                ("track_names.router_parity", "track_names")):  # fmt: skip
+        entry = found[property_id]
+        assert entry.cases == len(per_family[family]), (property_id, entry.cases)
+        assert entry.smallest.index == per_family[family][0]
+        assert entry.smallest.case == every[entry.smallest.index].key
+        assert f"{property_id}: fails in {entry.cases} case(s)" in done.stdout
+    assert found["track_names.router_parity"].smallest.case == "track_names|'aux_loss'|0.01"
+    assert cert.failing_cases == len(every)
+    assert (f"DISPROVEN for {len(every)} of the {len(every)} cases run ({len(every)} of the "
+            f"{len(every)} cases of the bound run; 2 properties fail)") in done.stdout  # fmt: skip
+    assert_printed_replay_runs_elsewhere(
+        found["track_names.router_parity"].smallest.replay, tmp_path, bounds, expect=1
+    )
 
 
 def _prove_cli(tmp_path: Path, bounds: Bounds, *args: str) -> subprocess.CompletedProcess[str]:

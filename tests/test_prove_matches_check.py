@@ -6,7 +6,8 @@ implementation to the letter of the API document, which needs megatron-core's Mo
 0.18+) are proven there.
 
 These run the default bound in full (the two proofs) or, for a mutant, its families that
-concern a function the bug is in, up to the first failing case (smallest world first); that
+concern a function the bug is in, up to the first failing case (``stop_at_first``; canonical
+order, smallest world first); that
 case is one of the default bound's, so the default bound is disproven too (a proof of it runs
 every case). On the in-process tier: where the installed megatron-core does not allow it
 (0.13-0.17), on the process tier.
@@ -14,6 +15,7 @@ every case). On the in-process tier: where the installed megatron-core does not 
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,12 +62,13 @@ def test_prove_disproves_every_mutant_that_check_detects(
     concerning = tuple(f.name for f in FAMILIES if set(f.functions) & set(mutant.functions))
     bound = Bound(profile=mutant.profile, families=concerning)
     cert = prove(str(path), bound, tier=TIER, functions=every, pool=worlds,
-                 report_dir=tmp_path / "r")  # fmt: skip
+                 report_dir=tmp_path / "r", stop_at_first=True)  # fmt: skip
     assert not cert.proven and cert.failure is not None, f"{name}: proven at {bound.describe()}"
     default_bound = {case.key for case in enumerate_cases(Bound(profile=mutant.profile))}
     assert cert.failure.case in default_bound, cert.failure.case
-    concerned = {f for p in cert.failure.properties for f in BY_ID[p].functions}
-    assert concerned & set(mutant.functions), (cert.failure.case, cert.failure.properties)
+    failing = [entry.property for entry in cert.failures]
+    concerned = {f for p in failing for f in BY_ID[p].functions}
+    assert concerned & set(mutant.functions), (cert.failure.case, failing)
     if mutant.sim_outcome is not None:  # a hang or crash: its case replays on the process tier
-        scenario_file = cert.failure.replay.split(" ", 2)[2]
+        scenario_file = shlex.split(cert.failure.replay)[2]
         assert replay_main(scenario_file, impl=None, raw=False, json_out=None) == 1

@@ -67,10 +67,13 @@ def test_a_failing_shard_comes_back_to_the_driver_and_replays(
     done, _ = _prove_on_ray(tmp_path, bounds, "--impl", str(mutant), *SMALL_ARGS,
                             "--shards", "2", "--json", str(out))  # fmt: skip
     assert done.returncode == 1, done.stdout
-    failure = json.loads(out.read_text())["failure"]
+    failures = json.loads(out.read_text())["failures"]
+    by_property = {entry["property"]: entry["smallest"] for entry in failures}
+    assert "mtp.keys" in by_property, failures  # (and the properties judging every MTP key)
+    failure = by_property["mtp.keys"]
     scenario_file = Path(failure["scenario_file"])
     assert scenario_file.parent == tmp_path / "report" and scenario_file.is_file()
-    assert failure["replay"] == f"pipemetrics replay {scenario_file}"
+    assert failure["replay"] == f"pipemetrics replay {scenario_file} --impl {mutant}"
     assert replay_main(str(scenario_file), impl=None, raw=False, json_out=None) == 1
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
+from pipemetrics.properties.diagnosis import Cause
 from pipemetrics.properties.effort import GENERATOR_CLASSES
 
 REFERENCE_PATH = Path(__file__).resolve().parents[2] / "reference" / "megatron_common.py"
@@ -87,6 +88,10 @@ class Mutant(BaseModel):
     profile: Literal["seed", "megatron", "strict"] = "seed"
     """The semantic profile under which ``fails`` must fail (``strict`` for a behaviour the API
     document leaves open and only the reference promises)."""
+    cause: Cause | None = None
+    """The cause the first diagnosis line of its failure must name (`diagnosis.PHRASES`)."""
+    no_cause: str = ""
+    """Why the mutant has no cause to name (not a value bug, or one outside the hypotheses)."""
     caught_by_classes: tuple[str, ...] = ()
     """The generator classes (`GENERATOR_CLASSES`) that expose this bug: the check must pass
     with ``--without-class`` each of them (the generators before those classes miss it) and fail
@@ -116,6 +121,12 @@ class Mutant(BaseModel):
         if unknown:
             raise ValueError(f"unknown conformance property IDs {unknown}")
         return value
+
+    @model_validator(mode="after")
+    def _cause_or_why_not(self) -> Mutant:
+        if (self.cause is None) == (not self.no_cause):
+            raise ValueError(f"{self.name}: give exactly one of cause and no_cause")
+        return self
 
     @field_validator("caught_by_classes")
     @classmethod
@@ -171,6 +182,7 @@ _MUTANTS: list[Mutant] = [
         fails=("steps.interleaved",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -190,6 +202,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
         caught_by_classes=("multi_step",),
     ),
     Mutant(
@@ -208,6 +221,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
         profile="strict",
         caught_by_classes=("multi_step",),
     ),
@@ -238,6 +252,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="reduction_missing",
         caught_by_classes=("wide_world",),
     ),
     Mutant(
@@ -263,6 +278,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (the MTP layers' slots zeroed on some stages)",
         caught_by_classes=("flexible_layout", "virtual_pipeline"),
     ),
     Mutant(
@@ -291,6 +307,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
         caught_by_classes=("virtual_pipeline",),
     ),
     Mutant(
@@ -312,6 +329,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_preinit_without_mtp",
@@ -343,6 +361,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="mismatch",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_local_insertion_order",
@@ -367,6 +386,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="paired_out_of_order",
     ),
     Mutant(
         name="moe_raises_on_rank0",
@@ -388,6 +408,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="moe_mean_over_num_layers",
@@ -405,6 +426,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="mean_denominator",
     ),
     Mutant(
         name="mtp_zero_based_keys",
@@ -416,6 +438,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="mtp_acceptance_scaled",
@@ -433,6 +456,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        cause="loss_scale_on_rate",
     ),
     Mutant(
         name="mtp_acceptance_unclamped_total",
@@ -451,6 +475,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (an unclamped denominator: NaN where the rate is 0)",
     ),
     Mutant(
         name="mtp_empty_layer_rate_hundred",
@@ -471,6 +496,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.acceptance_rate",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (a rate of 100 for a layer without tokens)",
     ),
     Mutant(
         name="moe_tracker_not_cleared",
@@ -483,6 +509,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.reset",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
     ),
     Mutant(
         name="track_names_always_z_loss",
@@ -504,6 +531,7 @@ _MUTANTS: list[Mutant] = [
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
         sim_outcome=None,
+        no_cause="not a value bug: get_aux_loss_track_names returns a wrong list of names",
     ),
     Mutant(
         name="moe_always_reports_z_loss",
@@ -520,6 +548,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.names",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="broadcast_local_buffer_check",
@@ -540,6 +569,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.errors_everywhere",),
         functions=("broadcast_tensor",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
         profile="strict",
     ),
     Mutant(
@@ -557,6 +587,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.loss_scale",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        cause="loss_scale_twice",
     ),
     Mutant(
         name="moe_per_layer_one_based",
@@ -568,6 +599,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.per_layer",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="mtp_loss_unscaled",
@@ -584,6 +616,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.loss_scale",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        cause="loss_scale_missing",
     ),
     Mutant(
         name="round_up_off_by_one",
@@ -603,6 +636,7 @@ _MUTANTS: list[Mutant] = [
         fails=("round_up.least_multiple",),
         functions=("_round_up_to_multiple",),
         sim_outcome=None,
+        no_cause="not a metric value: _round_up_to_multiple's integer result",
     ),
     Mutant(
         name="broadcast_none_receiver_default_dtype",
@@ -622,6 +656,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.roundtrip",),
         functions=("broadcast_tensor",),
         sim_outcome="mismatch",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="broadcast_receiver_fresh_tensor",
@@ -649,6 +684,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.receiver_buffer",),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a metric value: a broadcast tensor returned in a new buffer",
     ),
     Mutant(
         name="broadcast_global_src_as_group_src",
@@ -681,6 +717,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.roundtrip", "broadcast.receiver_buffer"),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a metric value: a broadcast tensor from the wrong source",
         caught_by_classes=("group_broadcast",),
     ),
     Mutant(
@@ -706,6 +743,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.value_error",),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
     ),
     Mutant(
         name="moe_placeholder_skips_dp_avg",
@@ -729,6 +767,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.rank_agreement",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="judged by rank agreement (ranks compared with each other), not against the oracle's values",
     ),
     Mutant(
         name="moe_total_loss_overwritten",
@@ -746,6 +785,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.total_loss_dict",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words (total_loss_dict overwritten instead of accumulated)",
     ),
     Mutant(
         name="moe_nan_mean_zeroed",
@@ -765,6 +805,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.router_mode",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="a value bug outside the hypothesis set (a NaN mean replaced by 0)",
     ),
     Mutant(
         name="mtp_reduce_on_logging_rank_only",
@@ -787,6 +828,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
         sim_outcome="deadlock",
+        no_cause="not a value bug: a hang, crash or mismatched collective",
     ),
     Mutant(
         name="mtp_tracker_not_cleaned",
@@ -805,6 +847,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.reset",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="a value bug across calls: tracker state kept or lost between calls, which the property reports in its own words",
     ),
     Mutant(
         name="moe_loss_scale_tensor_rejected",
@@ -824,6 +867,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
         profile="strict",
     ),
@@ -844,6 +888,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -864,6 +909,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -882,6 +928,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.no_hang",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
         caught_by_classes=("argument_forms",),
     ),
     Mutant(
@@ -925,6 +972,7 @@ _MUTANTS: list[Mutant] = [
         fails=("mtp.keys",),
         functions=("get_mtp_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: keys missing, extra or misnamed",
     ),
     Mutant(
         name="moe_num_layers_none_crash",
@@ -943,6 +991,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.no_hang",),
         functions=("get_moe_metrics",),
         sim_outcome=None,
+        no_cause="not a value bug: an exception (or a missing one) on every rank",
     ),
     Mutant(
         name="track_names_aux_before_z_loss",
@@ -957,6 +1006,7 @@ _MUTANTS: list[Mutant] = [
         fails=("track_names.router_parity",),
         functions=("get_aux_loss_track_names",),
         sim_outcome=None,
+        no_cause="not a value bug: names in another order than Megatron records them",
     ),
     Mutant(
         name="moe_wired_names_paired_by_position",
@@ -987,6 +1037,7 @@ _MUTANTS: list[Mutant] = [
         fails=("moe.values",),
         functions=("get_moe_metrics", "get_aux_loss_track_names"),
         sim_outcome=None,
+        cause="paired_out_of_order",
     ),
     Mutant(
         name="broadcast_source_not_contiguous",
@@ -1006,6 +1057,7 @@ _MUTANTS: list[Mutant] = [
         fails=("broadcast.roundtrip",),
         functions=("broadcast_tensor",),
         sim_outcome=None,
+        no_cause="not a value bug of a reduction: the broadcast delivers scrambled storage",
     ),
 ]
 
@@ -1046,5 +1098,18 @@ def write_mutant(name: str, directory: Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.py"
+    path.write_text(source, encoding="utf-8")
+    return path
+
+
+def write_combined(names: tuple[str, ...], directory: Path) -> Path:
+    """Write ``<directory>/<name>__<name>....py``: the reference with the edits of every mutant
+    of ``names`` applied in turn (independent bugs at once, for a run that must report each)."""
+    source = reference_source()
+    for name in names:
+        source = apply_edits(source, MUTANTS[name].edits, name)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{'__'.join(names)}.py"
     path.write_text(source, encoding="utf-8")
     return path

@@ -158,6 +158,7 @@ def test_missing_or_repeated_snippet_is_loud(monkeypatch: pytest.MonkeyPatch) ->
             fails=("moe.values",),
             functions=("get_moe_metrics",),
             sim_outcome=None,
+            cause="loss_scale_twice",
         )
 
     monkeypatch.setitem(MUTANTS, "bogus", bogus("this text is not in the reference"))
@@ -180,6 +181,7 @@ def test_metadata_is_validated() -> None:
         "fails": ("moe.values",),
         "functions": ("get_moe_metrics",),
         "sim_outcome": None,
+        "cause": "loss_scale_twice",
     }
     Mutant(**base)
     for bad in (
@@ -189,6 +191,9 @@ def test_metadata_is_validated() -> None:
         {"edits": (("a", "a"),)},
         {"edits": ()},
         {"name": "not an identifier"},
+        {"cause": "no_such_cause"},
+        {"cause": None},  # neither a cause nor why there is none
+        {"no_cause": "a hang"},  # both
     ):
         with pytest.raises(ValueError):
             Mutant(**(base | bad))
