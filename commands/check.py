@@ -139,6 +139,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "--without-class",
         action="append",
         default=[],
+        choices=tuple(GENERATOR_CLASSES),
         metavar="CLASS",
         help="do not generate inputs of this class (repeatable): " + ", ".join(GENERATOR_CLASSES),
     )
