@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipemetrics.commands.argv import child_command, command_args
-from pipemetrics.commands.options import add_json_out
+from pipemetrics.commands.options import add_json_out, add_verbose
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.sim.bench import (
     BenchError,
@@ -128,6 +128,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="measure nothing: print the tables (and --plot the curves) of an earlier --json",
     )
+    add_verbose(parser)
 
 
 def plotting_available() -> bool:

@@ -13,12 +13,14 @@ this run (`pipemetrics.commands.argv.child_command`).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +36,7 @@ from pipemetrics.commands.options import (
     add_report_dir,
     add_target,
     add_tier,
+    add_verbose,
 )
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
@@ -129,8 +132,10 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         help="cap on shrinking one failure (default: from the profile)",
     )
     add_load_timeout(parser)
+    add_verbose(parser)
     add_list(
         parser, "--without-class", dest="without_class", metavar="CLASS",
+        choices=tuple(GENERATOR_CLASSES),
         help="do not generate inputs of these classes: " + ", ".join(GENERATOR_CLASSES),
     )  # fmt: skip
     add_tier(parser, default=CHECK_TIER)
@@ -235,6 +240,37 @@ def _worker_results(
     return [PropertyResult(**item) for item in data["results"]]
 
 
+def installed_version(package: str) -> str:
+    """``package``'s installed version, read without importing it."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _properties_text(properties: list[Property]) -> str:
+    """The selected properties: their IDs when few, else their count per family."""
+    if len(properties) <= 4:
+        return ", ".join(p.id for p in properties)
+    families = Counter(p.id.split(".")[0] for p in properties)
+    return (
+        f"{len(properties)} properties (" + ", ".join(f"{k} {n}" for k, n in families.items()) + ")"
+    )
+
+
+def _announce(target: str, args: argparse.Namespace, selection: Selection, effort: str) -> None:
+    """The first lines of a check: what is checked, against which megatron-core and torch."""
+    _err(
+        f"pipemetrics check: {target}, {args.profile} profile: "
+        f"{_properties_text(selection.properties)}"
+    )
+    _err(
+        f"  against megatron-core {installed_version('megatron-core')}, torch "
+        f"{installed_version('torch')}; {effort} Hypothesis profile, {args.tier} tier"
+    )
+    _err("  loading the target (-v shows what importing torch and megatron-core prints) ...")
+
+
 def run_check(args: argparse.Namespace) -> int:
     try:
         effort = get_effort(args.hypothesis_profile)
@@ -257,6 +293,8 @@ def run_check(args: argparse.Namespace) -> int:
             return EXIT_USAGE
     target = resolve_target(args.impl)
     args.impl = target
+    if not args.worker_json:
+        _announce(target, args, selection, effort.name)
     try:
         provided = set(require_api(target, probe_target(target, args.load_timeout)))
     except TargetLoadError as exc:
@@ -289,11 +327,7 @@ def run_check(args: argparse.Namespace) -> int:
             todo.append(prop)
     coverage = Coverage(effort.classes)
     began = time.monotonic()
-    _err(
-        f"pipemetrics check: {target} ({args.profile} profile, {effort.name} Hypothesis "
-        f"profile, {args.tier} tier): {len(todo)} properties to run, {len(results)} absent or "
-        "skipped"
-    )
+    _err(f"{len(todo)} properties to run, {len(results)} absent or skipped")
     if args.workers > 1 and len(todo) > 1:
         ran = _run_workers(args, todo, coverage)
     else:

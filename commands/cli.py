@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from pipemetrics.commands.parser import build_parser
 from pipemetrics.sim.interrupt import Interrupted, SignalGuard
+from pipemetrics.sim.quiet import VERBOSE_ENV
 
 PARENT_POLL_S = 0.2
 
@@ -90,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 _exit_with_parent()
                 args = build_parser().parse_args(argv)
+                if getattr(args, "verbose", False):  # inherited by every process it starts
+                    os.environ[VERBOSE_ENV] = "1"
                 code = _dispatch(args)
             finally:
                 _end_forkserver()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pipemetrics.commands.options import add_load_timeout, add_target
+from pipemetrics.commands.options import add_load_timeout, add_target, add_verbose
 from pipemetrics.properties.verdict import judge_run, judgement_text
 from pipemetrics.sim.calls import MoeCall, MtpCall
 from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
@@ -50,6 +50,7 @@ def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_target(parser, instead_of="the reference")
     add_load_timeout(parser)
+    add_verbose(parser)
 
 
 def demo_command(args: argparse.Namespace) -> int:

@@ -57,6 +57,16 @@ def add_load_timeout(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v/--verbose``: show what importing torch and megatron-core prints (every command that
+    starts worlds; `pipemetrics.sim.quiet` holds it back otherwise)."""
+    parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="show the warnings and log lines that importing torch and megatron-core prints "
+        "(held back otherwise, and shown when that import fails)",
+    )  # fmt: skip
+
+
 def add_tier(parser: argparse.ArgumentParser, *, default: Tier) -> None:
     """``--tier``: where worlds run (check, prove; their defaults `CHECK_TIER`, `PROVE_TIER`)."""
     parser.add_argument(

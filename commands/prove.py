@@ -19,6 +19,7 @@ from pipemetrics.commands.options import (
     add_report_dir,
     add_target,
     add_tier,
+    add_verbose,
 )
 from pipemetrics.commands.parser import command_parser
 from pipemetrics.properties.prove import (
@@ -107,6 +108,7 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
     add_tier(parser, default=PROVE_TIER)
     add_report_dir(parser)
     add_load_timeout(parser)
+    add_verbose(parser)
 
 
 def bound_from_args(args: argparse.Namespace) -> Bound:

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target
+from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target, add_verbose
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
 from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
@@ -29,6 +29,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="real backend, no interposition")
     add_json_out(parser, what="the run")
     add_load_timeout(parser)
+    add_verbose(parser)
 
 
 def replay_command(args: argparse.Namespace) -> int:

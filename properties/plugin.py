@@ -4,11 +4,10 @@
 
 collects `pipemetrics.properties.test_conformance`: one test per property ID, parallel under
 pytest-xdist (``-n auto``; each worker has its own session-scoped `WorldPool`). Options:
-``--pipemetrics-impl``, ``--pipemetrics-profile`` (seed|megatron),
-``--pipemetrics-hypothesis-profile`` (dev|ci|thorough), ``--pipemetrics-max-examples``,
-``--pipemetrics-skip FILE`` and ``--pipemetrics-xfail FILE`` (one property ID per line, ``#``
-comments; IDs that no longer exist produce a warning), ``--pipemetrics-load-timeout S`` (the
-target is imported first in a child process under this deadline). The plugin is loaded automatically
+every option of ``pipemetrics check`` that makes sense inside pytest, as ``--pipemetrics-NAME``
+with the same choices and defaults (`pytest_addoption`; `NOT_IN_PYTEST` names the others and
+the pytest way instead). ``--pipemetrics-skip FILE`` and ``--pipemetrics-xfail FILE`` hold one
+property ID per line, ``#`` comments; IDs that no longer exist produce a warning. The plugin is loaded automatically
 through the ``pytest11`` entry point; without these options it only adds them and registers the
 ``pipemetrics-*`` Hypothesis profiles, so it changes nothing in other test suites.
 """
@@ -24,6 +23,7 @@ import pytest
 from pipemetrics.properties.effort import (
     DEFAULT_EFFORT,
     EFFORT_NAMES,
+    GENERATOR_CLASSES,
     register_hypothesis_profiles,
 )
 
@@ -34,26 +34,55 @@ class PipemetricsListWarning(UserWarning):
     """A skip/xfail list names a property ID that does not exist (any more)."""
 
 
+NOT_IN_PYTEST: dict[str, str] = {
+    "--json": "pytest reports the results (its own --junitxml, --report-log)",
+    "--junit": "pytest's --junitxml",
+    "--markdown": "pytest reports the results",
+    "--workers": "pytest-xdist's -n",
+    "--only": "pytest's -k selects tests by property ID (-k 'moe or mtp.keys')",
+    "--verbose": "pytest's own -v; PIPEMETRICS_VERBOSE=1 shows the import warnings",
+}
+"""``pipemetrics check`` options the plugin does not offer, each with the pytest way instead
+(tests/test_plugin_options.py holds every other option of ``check`` to the plugin's)."""
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
+    """``check``'s options as ``--pipemetrics-NAME``, with the same choices and defaults
+    (taken from the same definitions)."""
+    from pipemetrics.properties.catalogue import SEMANTIC_PROFILES
+    from pipemetrics.properties.engine import DEFAULT_DATABASE
+    from pipemetrics.sim.pool import TIERS
+    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S
+    from pipemetrics.sim.scenario import DEFAULT_TARGET
+
     group = parser.getgroup("pipemetrics", "pipemetrics conformance suite")
-    group.addoption("--pipemetrics-impl", default=None, metavar="TARGET",
+    group.addoption("--pipemetrics-impl", default=DEFAULT_TARGET, metavar="TARGET",
                     help="implementation to check: dotted module or .py path "
-                    "(default: pipemetrics.reference)")  # fmt: skip
-    group.addoption("--pipemetrics-profile", default="seed", choices=("seed", "megatron", "strict"),
+                    "(default: %(default)s)")  # fmt: skip
+    group.addoption("--pipemetrics-profile", default="seed", choices=SEMANTIC_PROFILES,
                     help="semantic profile")  # fmt: skip
     group.addoption("--pipemetrics-hypothesis-profile", default=DEFAULT_EFFORT,
-                    choices=EFFORT_NAMES, help="dev, ci or thorough")  # fmt: skip
+                    choices=EFFORT_NAMES, help="how hard to search")  # fmt: skip
     group.addoption("--pipemetrics-max-examples", type=int, default=None, metavar="N")
+    group.addoption("--pipemetrics-seed", type=int, default=None, metavar="S",
+                    help="derandomise Hypothesis with this seed")  # fmt: skip
     group.addoption("--pipemetrics-skip", default=None, metavar="FILE",
                     help="property IDs to skip, one per line")  # fmt: skip
     group.addoption("--pipemetrics-xfail", default=None, metavar="FILE",
                     help="property IDs expected to fail, one per line")  # fmt: skip
-    group.addoption("--pipemetrics-database", default=None, metavar="DIR",
+    group.addoption("--pipemetrics-database", default=DEFAULT_DATABASE, metavar="DIR",
                     help="Hypothesis example database ('none' disables it)")  # fmt: skip
+    group.addoption("--pipemetrics-shrink-seconds", type=float, default=None, metavar="S",
+                    help="cap on shrinking one failure (default: from the profile)")  # fmt: skip
     group.addoption("--pipemetrics-report-dir", default="pipemetrics-report", metavar="DIR")
-    group.addoption("--pipemetrics-load-timeout", type=float, default=None, metavar="S",
-                    help="deadline for importing the target in a child process first "
-                    "(default: 120 s)")  # fmt: skip
+    group.addoption("--pipemetrics-load-timeout", type=float, default=DEFAULT_LOAD_TIMEOUT_S,
+                    metavar="S", help="deadline for importing the target in a child process "
+                    "first (default: %(default)g s)")  # fmt: skip
+    group.addoption("--pipemetrics-without-class", action="append", default=[],
+                    choices=tuple(GENERATOR_CLASSES), metavar="CLASS",
+                    help="do not generate inputs of this class (repeatable)")  # fmt: skip
+    group.addoption("--pipemetrics-tier", default="process", choices=TIERS,
+                    help="process or inprocess (a failure is confirmed on the process tier)")  # fmt: skip
 
 
 def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
@@ -95,22 +124,27 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
     """The run options every conformance test shares (target resolved once)."""
+    from dataclasses import replace
     from pathlib import Path
 
     from pipemetrics.properties.effort import get_effort
-    from pipemetrics.properties.engine import DEFAULT_DATABASE, RunOptions
-    from pipemetrics.sim.scenario import DEFAULT_TARGET
+    from pipemetrics.properties.engine import RunOptions
     from pipemetrics.sim.target import resolve_target
 
     config = request.config
-    database = config.getoption("--pipemetrics-database") or DEFAULT_DATABASE
+    effort = get_effort(config.getoption("--pipemetrics-hypothesis-profile"))
+    shrink = config.getoption("--pipemetrics-shrink-seconds")
+    if shrink is not None:
+        effort = replace(effort, shrink_budget_s=shrink)
     return RunOptions(
-        target=resolve_target(config.getoption("--pipemetrics-impl") or DEFAULT_TARGET),
+        target=resolve_target(config.getoption("--pipemetrics-impl")),
         profile=config.getoption("--pipemetrics-profile"),
-        effort=get_effort(config.getoption("--pipemetrics-hypothesis-profile")),
+        effort=effort.without(config.getoption("--pipemetrics-without-class")),
         max_examples=config.getoption("--pipemetrics-max-examples"),
-        database=database,
+        seed=config.getoption("--pipemetrics-seed"),
+        database=config.getoption("--pipemetrics-database"),
         report_dir=Path(config.getoption("--pipemetrics-report-dir")),
+        tier=config.getoption("--pipemetrics-tier"),
     )
 
 
@@ -118,9 +152,9 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: Any) -> set[str]:
     """The seed API functions the target defines, found by importing it in a child process
     under a deadline (a target that does not load, or defines none of them, fails every test)."""
-    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
+    from pipemetrics.sim.probe import probe_target, require_api
 
-    timeout = request.config.getoption("--pipemetrics-load-timeout") or DEFAULT_LOAD_TIMEOUT_S
+    timeout = request.config.getoption("--pipemetrics-load-timeout")
     target = pipemetrics_options.target
     return set(require_api(target, probe_target(target, timeout)))
 
@@ -128,6 +162,18 @@ def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: An
 @pytest.fixture(scope="session")
 def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
     """One pool of live worlds per pytest process (per xdist worker)."""
+    from pipemetrics.sim.pool import WorldPool
+
+    with WorldPool(
+        max_ranks=pipemetrics_options.effort.max_ranks, tier=pipemetrics_options.tier
+    ) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_confirm_pool(pipemetrics_options: Any) -> Iterator[Any]:
+    """The process-tier pool in which a failure of the in-process tier is confirmed (starts
+    worlds only then)."""
     from pipemetrics.sim.pool import WorldPool
 
     with WorldPool(max_ranks=pipemetrics_options.effort.max_ranks) as pool:

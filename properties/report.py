@@ -13,11 +13,13 @@ key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.picture`.
 from __future__ import annotations
 
 import json
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, TextIO
 
 from pipemetrics.properties.catalogue import BY_ID
+from pipemetrics.properties.coverage import RARE
 from pipemetrics.properties.engine import PropertyResult
 
 
@@ -141,43 +143,82 @@ def print_failures(results: list[PropertyResult], out: TextIO) -> None:
             out.write(f"reproduce with: {r.replay}\n")
 
 
+COVERAGE_COLUMNS = 3
+"""Name-count cells per line of the coverage table."""
+COVERAGE_WIDTH = 100
+"""Where the coverage block's warnings wrap."""
+
+
+def _grid(label: str, counts: dict[str, int], widths: tuple[int, int, int]) -> list[str]:
+    """``counts`` as rows of `COVERAGE_COLUMNS` name-count cells, the first headed ``label``;
+    ``widths``: of the label, a name and a count."""
+    label_width, name_width, count_width = widths
+    items = list(counts.items())
+    rows = [items[i : i + COVERAGE_COLUMNS] for i in range(0, len(items), COVERAGE_COLUMNS)]
+    return [
+        f"  {(label if i == 0 else ''):<{label_width}}"
+        + "  ".join(f"{name:<{name_width}} {count:>{count_width}}" for name, count in row)
+        for i, row in enumerate(rows)
+    ]
+
+
+def _warning(what: str, names: list[str]) -> str:
+    text = f"WARNING: {what} never generated (by the properties that ran): {', '.join(names)}"
+    return textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
+
+
 def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
-    out.write(f"\ncoverage over {coverage.get('scenarios', 0)} scenarios: ")
-    out.write(f"world sizes {coverage.get('world_sizes', [])}\n")
-    counts = coverage.get("counts", {})
-    rare = ", ".join(
-        f"{k}={v}" for k, v in counts.items() if not k.startswith(("shape=", "world_size="))
+    """The coverage block of the human report: a short table of the generator classes
+    (``classes``) and the rare cases (`pipemetrics.properties.coverage.RARE`), each with the number of scenarios that
+    had it, then what was never generated. Every count is in the JSON report (``coverage``)."""
+    sizes = ", ".join(str(size) for size in coverage.get("world_sizes", [])) or "none"
+    out.write(
+        f"\ncoverage: {coverage.get('scenarios', 0)} scenarios, world sizes {sizes} "
+        "(every count: the JSON report's coverage, --json)\n"
     )
-    out.write(f"  {rare}\n")
-    classes = coverage.get("classes", {})
-    if classes:
-        out.write("  generator classes: " + ", ".join(f"{k}={v}" for k, v in classes.items()))
-        out.write("\n")
+    counts = coverage.get("counts", {})
+    tables = {
+        "classes": {name: int(n) for name, n in coverage.get("classes", {}).items()},
+        "rare cases": {name: int(counts.get(name, 0)) for name in RARE},
+    }
+    cells = [item for table in tables.values() for item in table.items()]
+    widths = (
+        max(len(label) for label in tables) + 2,
+        max(len(name) for name, _ in cells),
+        max(len(str(count)) for _, count in cells),
+    )
+    for label, table in tables.items():
+        for line in _grid(label, table, widths):
+            out.write(line + "\n")
     if coverage.get("classes_never_generated"):
-        out.write(
-            "  WARNING: generator classes never generated (by the properties that ran): "
-            f"{', '.join(coverage['classes_never_generated'])}\n"
-        )
+        out.write(_warning("generator classes", coverage["classes_never_generated"]) + "\n")
     if coverage.get("never_seen"):
-        out.write(
-            f"  WARNING: never generated (by the properties that ran): "
-            f"{', '.join(coverage['never_seen'])}\n"
-        )
+        out.write(_warning("rare cases", coverage["never_seen"]) + "\n")
     combinations = coverage.get("combinations", {})
     ran = {name: c for name, c in combinations.items() if c.get("floor")}
     if ran:
-        out.write(
-            "  combinations: "
-            + ", ".join(f"{n}={c['count']} (floor {c['floor']})" for n, c in ran.items())
-            + "\n"
+        text = "combinations: " + ", ".join(
+            f"{n} {c['count']} (floor {c['floor']})" for n, c in ran.items()
         )
+        out.write(
+            textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
+        )
+        out.write("\n")
     if coverage.get("combinations_below_floor"):
-        out.write(
-            "  WARNING: combinations below their floor: "
-            f"{', '.join(coverage['combinations_below_floor'])}\n"
+        text = "WARNING: combinations below their floor: " + ", ".join(
+            coverage["combinations_below_floor"]
         )
+        out.write(
+            textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
+        )
+        out.write("\n")
     for note in coverage.get("notes", []):
-        out.write(f"  NOTE: {note}\n")
+        out.write(
+            textwrap.fill(
+                f"NOTE: {note}", COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    "
+            )
+        )
+        out.write("\n")
 
 
 def _fence(text: str, lang: str = "") -> str:

@@ -25,13 +25,16 @@ def test_property(
     pipemetrics_provided: set[str],
     pipemetrics_pool: Any,
     pipemetrics_coverage: Any,
+    pipemetrics_confirm_pool: Any,
 ) -> None:
     if pipemetrics_options.profile not in prop.profiles:
         pytest.skip(f"not part of the {pipemetrics_options.profile} profile")
     missing = [name for name in prop.functions if name not in pipemetrics_provided]
     if missing:
         pytest.skip(f"absent: the target does not define {', '.join(missing)}")
-    result = run_property(prop, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage)
+    result = run_property(
+        prop, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage, pipemetrics_confirm_pool
+    )
     if result.status == "pass":
         return
     parts = [f"{prop.id} {result.status}: {result.message}"]

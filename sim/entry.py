@@ -3,13 +3,16 @@
 A process's target is pickled by name, so the controller need not import the module that
 defines it; importing `pipemetrics.sim.rank` costs seconds of CPU (torch, megatron-core). Each
 function here imports its module inside: in a child forked from the fork server that module is
-already loaded (`pipemetrics.sim.world.PRELOAD`), in a spawned child it is imported there. So
-the controller of ``pipemetrics check`` (and of every other command) never imports torch.
+already loaded (`pipemetrics.sim.world.PRELOAD`), in a spawned child it is imported there, its
+import-time output held back (`pipemetrics.sim.quiet`) as the fork server's is. So the
+controller of ``pipemetrics check`` (and of every other command) never imports torch.
 """
 
 from __future__ import annotations
 
 from multiprocessing.connection import Connection
+
+from pipemetrics.sim.quiet import import_quietly
 
 
 def rank_entry(
@@ -21,6 +24,7 @@ def rank_entry(
     leftovers: list[str],
 ) -> None:
     """A rank of a process-tier world: `pipemetrics.sim.rank.rank_main`."""
+    import_quietly("pipemetrics.sim.rank")
     from pipemetrics.sim.rank import rank_main
 
     rank_main(rank, spec_json, directory, conn, controller_pid, leftovers)
@@ -30,6 +34,7 @@ def host_entry(
     spec_json: str, directory: str, conn: Connection, controller_pid: int, leftovers: list[str]
 ) -> None:
     """The host of an in-process world: `pipemetrics.sim.inprocess.host_main`."""
+    import_quietly("pipemetrics.sim.inprocess")
     from pipemetrics.sim.inprocess import host_main
 
     host_main(spec_json, directory, conn, controller_pid, leftovers)

@@ -40,7 +40,9 @@ from pipemetrics.sim.records import RankPlace
 from pipemetrics.sim.scenario import Scenario
 from pipemetrics.sim.scheduler import Called, Died, Event, Finished, require_mode, run_task
 
-PRELOAD = ["pipemetrics.sim.rank", "pipemetrics.sim.router_fill", "pipemetrics.sim.inprocess"]
+PRELOAD = ["pipemetrics.sim.preload"]
+"""What the fork server imports first: torch, megatron-core and the rank code, their import-time
+output held back (`pipemetrics.sim.preload`)."""
 STACK_DUMP_WAIT_S = 0.3
 
 
