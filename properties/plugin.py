@@ -78,9 +78,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--pipemetrics-load-timeout", type=float, default=DEFAULT_LOAD_TIMEOUT_S,
                     metavar="S", help="deadline for importing the target in a child process "
                     "first (default: %(default)g s)")  # fmt: skip
-    group.addoption("--pipemetrics-without-class", action="append", default=[],
+    group.addoption("--pipemetrics-without-class", action="extend", nargs="+", default=None,
                     choices=tuple(GENERATOR_CLASSES), metavar="CLASS",
-                    help="do not generate inputs of this class (repeatable)")  # fmt: skip
+                    help="do not generate inputs of these classes (one or more; the option "
+                    "may be repeated)")  # fmt: skip
     group.addoption("--pipemetrics-tier", default="process", choices=TIERS,
                     help="process or inprocess (a failure is confirmed on the process tier)")  # fmt: skip
 
@@ -139,7 +140,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
     return RunOptions(
         target=resolve_target(config.getoption("--pipemetrics-impl")),
         profile=config.getoption("--pipemetrics-profile"),
-        effort=effort.without(config.getoption("--pipemetrics-without-class")),
+        effort=effort.without(config.getoption("--pipemetrics-without-class") or []),
         max_examples=config.getoption("--pipemetrics-max-examples"),
         seed=config.getoption("--pipemetrics-seed"),
         database=config.getoption("--pipemetrics-database"),

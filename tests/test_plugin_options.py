@@ -60,7 +60,11 @@ def test_each_option_has_the_same_choices_default_type_and_action() -> None:
         assert (None if theirs is None else tuple(theirs)) == choices, name
         assert ours.get("default") == action.default, name
         assert ours.get("type") == action.type, name
+        assert ours.get("nargs") == action.nargs, name
         kind = ours.get("action", "store")
         assert (
-            kind == {"_AppendAction": "append", "_StoreAction": "store"}[type(action).__name__]
+            kind
+            == {"_AppendAction": "append", "_ExtendAction": "extend", "_StoreAction": "store"}[
+                type(action).__name__
+            ]
         ), name

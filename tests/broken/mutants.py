@@ -1024,6 +1024,17 @@ _MUTANTS: list[Mutant] = [
         edits=(
             *NAMES_EDITS,
             (
+                "    _align_entries(tracker, local, lengths, settings, dict(known), distributed)\n",
+                "    _align_entries(\n"
+                "        tracker, local, lengths, settings, dict(known), distributed, track_names\n"
+                "    )\n",
+            ),
+            (
+                "    distributed: bool,\n) -> None:\n    \"\"\"Step 3 of `get_moe_metrics`",
+                "    distributed: bool,\n    track_names: Any = None,\n) -> None:\n"
+                "    \"\"\"Step 3 of `get_moe_metrics`",
+            ),
+            (
                 "    for name in sorted(lengths):\n        meta = settings[name]\n",
                 "    given = [n for n in dict.fromkeys(track_names or []) if n in lengths]\n"
                 "    for name in given + [n for n in sorted(lengths) if n not in given]:\n"
