@@ -6,4 +6,4 @@ echo "== ruff"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 echo "== mypy --strict"
-.venv/bin/mypy -p pipemetrics.reference -p pipemetrics.sim -p pipemetrics.properties -p pipemetrics.testing -p pipemetrics.commands
+.venv/bin/mypy -p pipemetrics.reference -p pipemetrics.sim -p pipemetrics.properties -p pipemetrics.prove -p pipemetrics.bench -p pipemetrics.testing -p pipemetrics.commands

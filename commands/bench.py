@@ -1,4 +1,4 @@
-"""``pipemetrics bench``: every measurement of `pipemetrics.sim.bench` in one run, then the wall
+"""``pipemetrics bench``: every measurement of `pipemetrics.bench.measure` in one run, then the wall
 time of ``pipemetrics check`` on the reference with the ci Hypothesis profile and of
 ``pipemetrics prove`` at the default bound (each a child process started through
 `pipemetrics.commands.argv.child_command`), the table, the JSON and the plots.
@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipemetrics.commands.argv import child_command, command_args
-from pipemetrics.commands.options import add_json_out
-from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.bench import (
+from pipemetrics.bench.hang_detection import markdown_table
+from pipemetrics.bench.measure import (
     BenchError,
     Leftovers,
     Plan,
@@ -41,9 +39,11 @@ from pipemetrics.sim.bench import (
     tell,
     warm_forkserver,
 )
-from pipemetrics.sim.hang_detection import markdown_table
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.interrupt import stop_child
+from pipemetrics.commands.argv import child_command, command_args
+from pipemetrics.commands.options import add_json_out
+from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.collectives.interrupt import stop_child
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
 
@@ -140,7 +140,7 @@ def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
         print()
         print(markdown_table(data["hang_detection"]))
     if plot_dir:
-        from pipemetrics.sim.bench_plot import plot
+        from pipemetrics.bench.plot import plot
 
         for path in plot(data, Path(plot_dir)):
             tell(f"wrote {path}")

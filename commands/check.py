@@ -59,10 +59,10 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
-from pipemetrics.sim.interrupt import signal_name, stop_child
-from pipemetrics.sim.pool import WorldPool
-from pipemetrics.sim.probe import probe_target, require_api
-from pipemetrics.sim.target import TargetLoadError, resolve_target
+from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
+from pipemetrics.sim.model.target import TargetLoadError, resolve_target
+from pipemetrics.sim.worlds.pool import WorldPool
+from pipemetrics.sim.worlds.probe import probe_target, require_api
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -254,7 +254,7 @@ def run_check(args: argparse.Namespace) -> int:
         _err("pipemetrics check: --max-examples must be >= 1")
         return EXIT_USAGE
     if args.tier == "inprocess":
-        from pipemetrics.sim.inprocess_world import inprocess_unsupported
+        from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
         unsupported = inprocess_unsupported()
         if unsupported is not None:

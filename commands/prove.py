@@ -20,7 +20,8 @@ from pipemetrics.commands.options import (
     add_tier,
 )
 from pipemetrics.commands.parser import command_parser
-from pipemetrics.properties.prove import (
+from pipemetrics.prove.families import FAMILY_NAMES
+from pipemetrics.prove.prover import (
     Bound,
     Certificate,
     MergeError,
@@ -28,10 +29,9 @@ from pipemetrics.properties.prove import (
     progress_bar,
     prove,
 )
-from pipemetrics.properties.prove_families import FAMILY_NAMES
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.probe import probe_target
-from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError, resolve_builtin
+from pipemetrics.sim.model.target import API_FUNCTIONS, TargetLoadError, resolve_builtin
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.probe import probe_target
 
 EXIT_PROVEN, EXIT_DISPROVEN, EXIT_USAGE = 0, 1, 2
 

@@ -28,8 +28,8 @@ from typing import Any
 
 from pipemetrics.commands.argv import child_command, command_args
 from pipemetrics.commands.prove import bound_options
-from pipemetrics.properties.prove import Bound, Certificate, Failure, merge, target_sha256
-from pipemetrics.sim.pool import Tier
+from pipemetrics.prove.prover import Bound, Certificate, Failure, merge, target_sha256
+from pipemetrics.sim.worlds.pool import Tier
 
 RAY_EXTRA = "pip install 'pipemetrics[ray]'"
 

@@ -15,12 +15,12 @@ from pathlib import Path
 from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
-from pipemetrics.sim.protocol import RunMode
-from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.target import TargetLoadError
-from pipemetrics.sim.world import World, WorldStartError
+from pipemetrics.sim.collectives.protocol import RunMode
+from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
+from pipemetrics.sim.model.target import TargetLoadError
+from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
+from pipemetrics.sim.worlds.world import World, WorldStartError
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:

@@ -99,8 +99,8 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 
     from pipemetrics.properties.effort import get_effort
     from pipemetrics.properties.engine import DEFAULT_DATABASE, RunOptions
-    from pipemetrics.sim.scenario import DEFAULT_TARGET
-    from pipemetrics.sim.target import resolve_target
+    from pipemetrics.sim.model.scenario import DEFAULT_TARGET
+    from pipemetrics.sim.model.target import resolve_target
 
     config = request.config
     database = config.getoption("--pipemetrics-database") or DEFAULT_DATABASE
@@ -118,7 +118,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: Any) -> set[str]:
     """The seed API functions the target defines, found by importing it in a child process
     under a deadline (a target that does not load, or defines none of them, fails every test)."""
-    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
+    from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 
     timeout = request.config.getoption("--pipemetrics-load-timeout") or DEFAULT_LOAD_TIMEOUT_S
     target = pipemetrics_options.target
@@ -128,7 +128,7 @@ def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: An
 @pytest.fixture(scope="session")
 def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
     """One pool of live worlds per pytest process (per xdist worker)."""
-    from pipemetrics.sim.pool import WorldPool
+    from pipemetrics.sim.worlds.pool import WorldPool
 
     with WorldPool(max_ranks=pipemetrics_options.effort.max_ranks) as pool:
         yield pool

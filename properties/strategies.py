@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 
 from pipemetrics.properties.effort import Effort, is_wide
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
-from pipemetrics.sim.calls import (
+from pipemetrics.sim.mcore import RouterRouting, installed_features
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_per_token_loss,
+)
+from pipemetrics.sim.model.calls import (
     NEW_GROUP,
     BroadcastCall,
     BufferSpec,
@@ -31,7 +36,7 @@ from pipemetrics.sim.calls import (
     RoundUpCall,
     TrackNamesCall,
 )
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.model.layout import (
     AUX_LOSS_TYPES,
     TRACK_NAME_OF,
     EvenSplit,
@@ -44,13 +49,8 @@ from pipemetrics.sim.layout import (
     StageSplit,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import RouterRouting, installed_features
-from pipemetrics.sim.mcore.mtp_tracker import (
-    installed_mtp_acceptance_switch,
-    installed_mtp_per_token_loss,
-)
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import broadcast_plan, places_for
 
 __all__ = [
     "broadcast_call",
@@ -336,7 +336,7 @@ numpy float32; the reference promises the same results for every form (strict on
 def loss_scale_forms(
     semantic: Semantic, *, default: bool = False
 ) -> st.SearchStrategy[MtpLossScaleForm]:
-    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.calls.LossScaleForm`);
+    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.model.calls.LossScaleForm`);
     ``default``: also no argument at all (``get_mtp_metrics()``, whose default the document
     gives)."""
     forms: list[MtpLossScaleForm] = list(

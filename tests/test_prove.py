@@ -17,7 +17,9 @@ from pipemetrics.commands.prove import (
     bound_cli_args,
     bound_from_args,
 )
-from pipemetrics.properties.prove import (
+from pipemetrics.properties.strategies import every_rank_records_every_name
+from pipemetrics.prove.families import FAMILIES, FAMILY_NAMES
+from pipemetrics.prove.prover import (
     Bound,
     BroadcastCase,
     Case,
@@ -29,10 +31,8 @@ from pipemetrics.properties.prove import (
     prove,
     shard_of,
 )
-from pipemetrics.properties.prove_families import FAMILIES, FAMILY_NAMES
-from pipemetrics.properties.strategies import every_rank_records_every_name
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.target import API_FUNCTIONS
+from pipemetrics.sim.model.target import API_FUNCTIONS
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .broken.mutants import REFERENCE_PATH as REFERENCE
 from .conftest import Bounds, private_tmpdir, run_bounded

@@ -57,7 +57,7 @@ pipeline SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG of every releas
 """
 
 MtpAvgRole = Literal["tp_cp", "dp_cp"]
-"""The group role (`pipemetrics.sim.records.RankPlace.groups`) of the MTP loss's ``avg_group``."""
+"""The group role (`pipemetrics.sim.model.records.RankPlace.groups`) of the MTP loss's ``avg_group``."""
 
 MTP_ON_THE_LAST_STAGE = "MTP layers must be in the last stage together with Loss stage."
 """The message of the rule megatron-core 0.15's ``validate_layer_layout`` enforces

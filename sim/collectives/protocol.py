@@ -1,0 +1,136 @@
+"""Messages between the controller and the rank processes of a world.
+
+A rank sends `Ready` once, then for each task any number of `Call` (a collective it is about to
+issue, which it only issues after the controller answers `Go`) and one `Done`. The controller
+sends `Task`, `Go`/`Abort` answers, and `Shutdown`. All messages are pickled through a
+`multiprocessing` pipe, one per rank.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from pipemetrics.sim.model.layout import Frozen
+from pipemetrics.sim.model.records import RankPlace, Ranks, TrackerSnapshot
+
+
+class CollectiveCall(Frozen):
+    """One collective a rank issues, described well enough to match it with its peers'."""
+
+    rank: int
+    index: int
+    """0-based position of this call among the rank's collectives in the current task."""
+    op: str
+    group_name: str
+    group_ranks: Ranks
+    signature: tuple[tuple[str, str], ...]
+    """(argument, description) pairs that must agree across the group: shapes, dtypes, devices,
+    reduce op, source/destination, object-list lengths. Payload contents are not part of it."""
+    call_site: tuple[str, ...]
+    """Innermost-first ``file:line in function`` frames outside torch and pipemetrics.sim."""
+    started_s: float = 0.0
+    """Monotonic time the rank reached the collective."""
+    seconds: float | None = None
+    """Time the real collective took once released (None: never ran)."""
+    outcome: Literal["pending", "ran", "aborted", "local", "not-member", "rejected", "failed"] = (
+        "pending"
+    )
+    payload_bytes: int = 0
+    """Bytes of this rank's data in the call (`pipemetrics.sim.collectives.interpose.payload_bytes`)."""
+
+    def describe(self) -> str:
+        sig = ", ".join(f"{k}={v}" for k, v in self.signature)
+        return f"{self.op}({sig}) on group {list(self.group_ranks)}"
+
+
+class CallError(Frozen):
+    """An exception raised by the implementation under test (or by the harness in a rank)."""
+
+    type: str
+    message: str
+    traceback: str
+
+
+class CallReport(Frozen):
+    """What one rank did for one call of one step."""
+
+    step: int
+    call: int
+    function: str
+    snapshot: TrackerSnapshot
+    value: Any = None
+    error: CallError | None = None
+    seconds: float = 0.0
+    collectives: list[CollectiveCall] = Field(default_factory=list)
+    total_loss_dict: dict[str, float] | None = None
+    buffer: Any = None
+    """``broadcast_tensor``: the receiver's own buffer after the call (encoded), if it passed one."""
+
+
+class Ready(Frozen):
+    kind: Literal["ready"] = "ready"
+    place: RankPlace
+    pid: int
+    startup_s: float
+
+
+class Call(Frozen):
+    kind: Literal["call"] = "call"
+    call: CollectiveCall
+
+
+class Done(Frozen):
+    kind: Literal["done"] = "done"
+    rank: int
+    reports: list[CallReport]
+    aborted: bool = False
+    harness_error: CallError | None = None
+    """A fault of pipemetrics itself inside the rank (filling the trackers, loading the target)."""
+    load_error: CallError | None = None
+    """The target could not be loaded in this rank."""
+
+
+class HostReady(Frozen):
+    """The in-process tier's host process has built every rank of its world."""
+
+    kind: Literal["host-ready"] = "host-ready"
+    places: dict[int, RankPlace]
+    pid: int
+    startup_s: float
+
+
+class Go(Frozen):
+    kind: Literal["go"] = "go"
+
+
+class Abort(Frozen):
+    kind: Literal["abort"] = "abort"
+    reason: str
+
+
+class Shutdown(Frozen):
+    kind: Literal["shutdown"] = "shutdown"
+
+
+class RunMode(StrEnum):
+    """How the ranks of a task meet at their collectives (a tier offers the modes it can)."""
+
+    GATED = "gated"
+    """Every collective waits until the scheduler releases it (both tiers): the outcomes."""
+    RAW = "raw"
+    """Process tier only: collectives run unintercepted in the real backend and are only
+    logged, under the deadline (`pipemetrics replay --raw` confirms an outcome this way)."""
+    ALONE = "alone"
+    """In-process tier only: every rank's own work and nothing else, the ranks one after
+    another, each to its end; collectives go to torch's fake backend, which moves no data
+    (values are meaningless, nothing is matched or recorded). `pipemetrics bench` measures it
+    as the in-process tier's ceiling."""
+
+
+class Task(Frozen):
+    kind: Literal["task"] = "task"
+    scenario_json: str
+    mode: RunMode = RunMode.GATED
