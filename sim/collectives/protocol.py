@@ -130,6 +130,11 @@ class RunMode(StrEnum):
     as the in-process tier's ceiling."""
 
 
+INPROCESS_MODES = frozenset({RunMode.GATED, RunMode.ALONE})
+"""The in-process tier's run modes (no real backend: no raw mode); here, below both of the
+in-process tier's sides (the host and its controller), so neither imports the other."""
+
+
 class Task(Frozen):
     kind: Literal["task"] = "task"
     scenario_json: str

@@ -43,6 +43,7 @@ from megatron.core import parallel_state
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.interpose import COLLECTIVES, Binder, Interposer
 from pipemetrics.sim.collectives.protocol import (
+    INPROCESS_MODES,
     CollectiveCall,
     Done,
     HostReady,
@@ -71,7 +72,6 @@ from pipemetrics.sim.model.layout import WorldSpec
 from pipemetrics.sim.model.records import RankPlace
 from pipemetrics.sim.model.scenario import Scenario
 from pipemetrics.sim.model.target import load_target
-from pipemetrics.sim.worlds.inprocess_world import INPROCESS_MODES
 from pipemetrics.sim.worlds.rank import RankServer, SimAbort, join_world, orphaned_exit, run_child
 
 

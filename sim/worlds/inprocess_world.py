@@ -21,7 +21,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pipemetrics.sim.collectives.coordinator import Outcome
-from pipemetrics.sim.collectives.protocol import HostReady, RunMode, Shutdown, Task
+from pipemetrics.sim.collectives.protocol import (
+    INPROCESS_MODES,
+    HostReady,
+    RunMode,
+    Shutdown,
+    Task,
+)
 from pipemetrics.sim.collectives.scheduler import (
     UNWIND_GRACE_S,
     WATCHDOG_MARGIN_S,
@@ -48,8 +54,6 @@ from pipemetrics.sim.worlds.world import (
 ANSWER_MARGIN_S = WATCHDOG_MARGIN_S + UNWIND_GRACE_S + 4.0
 """How long after a scenario's deadline the controller waits for the host's own outcome (its
 watchdog reports `WATCHDOG_MARGIN_S` after the deadline; unwinding may take the grace period)."""
-INPROCESS_MODES = frozenset({RunMode.GATED, RunMode.ALONE})
-"""The in-process tier's run modes (no real backend: no raw mode)."""
 
 
 def inprocess_unsupported() -> str | None:
