@@ -34,6 +34,7 @@ from pipemetrics.commands.options import (
     add_target,
     add_tier,
 )
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import (
@@ -142,6 +143,13 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
+COMMAND = Subcommand(
+    "check",
+    "run the conformance suite against an implementation",
+    add_check_arguments,
+)
+
+
 def _err(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -189,7 +197,7 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
     process, and what only this process does (the reports; the skip and xfail lists, already
     applied to the share and to its results)."""
     return child_command(
-        "check", args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
+        COMMAND, args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
         markdown=None, skip=None, xfail=None,
     )  # fmt: skip
 

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from pipemetrics.commands.options import add_load_timeout, add_target
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.verdict import judge_run, judgement_text
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
@@ -50,6 +51,13 @@ def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_target(parser, instead_of="the reference")
     add_load_timeout(parser)
+
+
+COMMAND = Subcommand(
+    "demo",
+    "4 gloo ranks, first stage without MoE, MTP on the last stage",
+    add_demo_arguments,
+)
 
 
 def demo_command(args: argparse.Namespace) -> int:

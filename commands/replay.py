@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
 from pipemetrics.sim.collectives.protocol import RunMode
@@ -29,6 +30,13 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--raw", action="store_true", help="real backend, no interposition")
     add_json_out(parser, what="the run")
     add_load_timeout(parser)
+
+
+COMMAND = Subcommand(
+    "replay",
+    "re-run a scenario file and print its verdict",
+    add_replay_arguments,
+)
 
 
 def replay_command(args: argparse.Namespace) -> int:

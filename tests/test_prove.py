@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.commands.prove import (
+from pipemetrics.commands.prove_options import (
     add_prove_arguments,
     bound_cli_args,
     bound_from_args,
