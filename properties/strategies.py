@@ -202,11 +202,7 @@ def routing_configs(
 ) -> dict[str, object]:
     """routing_type / aux_loss_coeff (single or list, zero coefficients) and z_loss_coeff;
     only what ``router`` says the router runs (lists, ``global_aux_loss``)."""
-    types = [
-        t
-        for t in ROUTING_TYPES
-        if (sinkhorn or t != "sinkhorn") and (router.global_aux_loss or t != "global_aux_loss")
-    ]
+    types = [t for t in ROUTING_TYPES if (sinkhorn or t != "sinkhorn") and router.runs(t)]
     aux_types = [t for t in AUX_LOSS_TYPES if t in types]
     if not router.type_lists or draw(st.booleans()):
         routing: RoutingType | list[RoutingType] = draw(st.sampled_from(types))

@@ -33,6 +33,7 @@ from pipemetrics.properties.strategies import (
     every_rank_records_every_name,
 )
 from pipemetrics.properties.synthetic import step_records
+from pipemetrics.sim.mcore.routing import ROUTES
 from pipemetrics.sim.model.calls import (
     NEW_GROUP,
     BroadcastCall,
@@ -47,7 +48,6 @@ from pipemetrics.sim.model.calls import (
 )
 from pipemetrics.sim.model.layout import (
     AUX_LOSS_TYPES,
-    TRACK_NAME_OF,
     ExplicitSplit,
     Frozen,
     LayoutSplit,
@@ -370,10 +370,8 @@ def default_program(steps: int) -> tuple[StepPlan, ...]:
                  for s in range(steps))  # fmt: skip
 
 
-NAME_INDEX: Mapping[str, int] = MappingProxyType(
-    {TRACK_NAME_OF.get(t, t): i for i, t in enumerate(sorted(["z_loss", *AUX_LOSS_TYPES]))}
-)
-"""Each tracked name's weight in `distinct_value` (by its aux-loss type, z_loss among them)."""
+NAME_INDEX: Mapping[str, int] = MappingProxyType({route.name: route.weight for route in ROUTES})
+"""Each tracked name's weight in `distinct_value` (its row's fixed ``weight`` in `ROUTES`)."""
 
 
 def distinct_value(step: int, rank: int, microbatch: int, slot: int, name: str) -> float:

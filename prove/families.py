@@ -94,7 +94,7 @@ def stage_patterns(count: int, kinds: tuple[StageText, ...]) -> list[tuple[Stage
 def routable_types() -> tuple[RoutingType, ...]:
     """The aux-loss types the installed router records."""
     router = installed_features().routing
-    return tuple(t for t in AUX_LOSS_TYPES if router.global_aux_loss or t != "global_aux_loss")
+    return tuple(t for t in AUX_LOSS_TYPES if router.runs(t))
 
 
 def every_routing() -> tuple[RoutingType, ...]:

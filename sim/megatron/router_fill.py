@@ -62,6 +62,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from pipemetrics.sim.mcore import MtpNumbering, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
+from pipemetrics.sim.mcore.routing import route_of_type
 from pipemetrics.sim.megatron.trackers import cpu_current_device, save_mtp, save_mtp_per_token
 from pipemetrics.sim.model.calls import RouterConfig
 from pipemetrics.sim.model.layout import ModelLayout, Setup
@@ -103,10 +104,13 @@ def unsupported_routing(layout: ModelLayout) -> str | None:
             f"routing_type: the installed megatron-core's TopKRouter takes one load-balancing "
             f"type, not a list (lists: 0.14+), got {layout.routing_type!r}"
         )
-    if "global_aux_loss" in types and not routing.global_aux_loss:
-        return (
-            "routing_type: the installed megatron-core's TopKRouter has no global_aux_loss (0.15+)"
-        )
+    for routing_type in types:
+        route = route_of_type(routing_type)
+        if route is not None and not routing.runs(routing_type):
+            return (
+                f"routing_type: the installed megatron-core's TopKRouter has no {routing_type} "
+                f"({route.since}+)"
+            )
     return None
 
 

@@ -16,15 +16,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.mcore.routing import AUX_LOSS_TYPES as AUX_LOSS_TYPES
+from pipemetrics.sim.mcore.routing import TRACK_NAME_OF as TRACK_NAME_OF
+from pipemetrics.sim.mcore.routing import RoutingType as RoutingType
 from pipemetrics.sim.model.pipeline_layout import LayoutError, PipelineLayout
-
-RoutingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
-AUX_LOSS_TYPES: tuple[RoutingType, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss")
-TRACK_NAME_OF: dict[str, str] = {
-    "aux_loss": "load_balancing_loss",
-    "seq_aux_loss": "seq_load_balancing_loss",
-    "global_aux_loss": "global_load_balancing_loss",
-}
 
 PositiveInt = Annotated[int, Field(ge=1)]
 

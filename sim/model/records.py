@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from pipemetrics.sim.mcore import DpRule, installed_features
+from pipemetrics.sim.mcore.routing import ROUTES
 from pipemetrics.sim.model.layout import Frozen, WorldSpec
 
 Ranks = tuple[int, ...]
@@ -134,12 +135,10 @@ class StepRecords(Frozen):
 
 
 ROUTER_REDUCTION: dict[str, tuple[str | None, str | None, bool]] = {
-    "load_balancing_loss": ("tp_cp", None, True),
-    "seq_load_balancing_loss": ("tp_cp", None, True),
-    "global_load_balancing_loss": ("tp_dp_cp", None, False),
-    "z_loss": (None, "tp_dp_cp", True),
+    route.name: (route.reduce, route.avg, route.needs_dp_avg) for route in ROUTES
 }
-"""(reduce group, avg group, needs_dp_avg) that megatron-core 0.19's router passes per name."""
+"""(reduce group, avg group, needs_dp_avg) that megatron-core 0.19's router passes per name (the
+routing table's groups, `pipemetrics.sim.mcore.routing.ROUTES`)."""
 
 
 Reduction = tuple[str | None, str | None, bool]
