@@ -26,7 +26,6 @@ from pipemetrics.bench.measure import (
     Leftovers,
     Plan,
     Results,
-    four_digits,
     make_plan,
     measure_cost,
     measure_deadlock,
@@ -34,11 +33,10 @@ from pipemetrics.bench.measure import (
     measure_scaling,
     measure_starts,
     measure_throughput,
-    report,
-    table,
     tell,
     warm_forkserver,
 )
+from pipemetrics.bench.report import four_digits, report, table
 from pipemetrics.commands import check, prove_options
 from pipemetrics.commands.argv import child_command, command_args
 from pipemetrics.commands.options import add_json_out
