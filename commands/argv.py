@@ -14,7 +14,7 @@ import argparse
 import sys
 from typing import Any
 
-from pipemetrics.commands.parser import command_parser
+from pipemetrics.commands.subcommand import Subcommand
 
 _SKIPPED = (argparse._HelpAction, argparse._VersionAction)
 
@@ -82,23 +82,25 @@ def _flag(action: argparse.Action, flag: str | None) -> str:
     return flag
 
 
-def command_args(command: str, **values: Any) -> argparse.Namespace:
+def command_args(command: Subcommand, **values: Any) -> argparse.Namespace:
     """``command``'s options at their defaults, then ``values`` (each an option's dest)."""
-    return _updated(command, command_parser(command).parse_args([]), values)
+    return _updated(command, command.parser().parse_args([]), values)
 
 
-def child_command(command: str, args: argparse.Namespace, **overrides: Any) -> list[str]:
+def child_command(command: Subcommand, args: argparse.Namespace, **overrides: Any) -> list[str]:
     """The full command line of a child running ``pipemetrics COMMAND`` with ``args`` (every
     option passed through, defaults included), but ``overrides`` (each an option's dest) set
     for it."""
     child = _updated(command, args, overrides)
-    argv = argv_for(command_parser(command), child, explicit=True)
-    return [sys.executable, "-m", "pipemetrics.commands.cli", command, *argv]
+    argv = argv_for(command.parser(), child, explicit=True)
+    return [sys.executable, "-m", "pipemetrics.commands.cli", command.name, *argv]
 
 
-def _updated(command: str, args: argparse.Namespace, values: dict[str, Any]) -> argparse.Namespace:
-    known = {action.dest for action in command_parser(command)._actions}
+def _updated(
+    command: Subcommand, args: argparse.Namespace, values: dict[str, Any]
+) -> argparse.Namespace:
+    known = {action.dest for action in command.parser()._actions}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"pipemetrics {command} has no option {', '.join(unknown)}")
+        raise ValueError(f"pipemetrics {command.name} has no option {', '.join(unknown)}")
     return argparse.Namespace(**{**vars(args), **values})

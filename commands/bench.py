@@ -1,4 +1,4 @@
-"""``pipemetrics bench``: every measurement of `pipemetrics.sim.bench` in one run, then the wall
+"""``pipemetrics bench``: every measurement of `pipemetrics.bench.measure` in one run, then the wall
 time of ``pipemetrics check`` on the reference with the ci Hypothesis profile and of
 ``pipemetrics prove`` at the default bound (each a child process started through
 `pipemetrics.commands.argv.child_command`), the table, the JSON and the plots.
@@ -20,15 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipemetrics.commands.argv import child_command, command_args
-from pipemetrics.commands.options import add_json_out, add_verbose
-from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.bench import (
+from pipemetrics.bench.hang_detection import markdown_table
+from pipemetrics.bench.measure import (
     BenchError,
     Leftovers,
     Plan,
     Results,
-    four_digits,
     make_plan,
     measure_cost,
     measure_deadlock,
@@ -36,35 +33,39 @@ from pipemetrics.sim.bench import (
     measure_scaling,
     measure_starts,
     measure_throughput,
-    report,
-    table,
     tell,
     warm_forkserver,
 )
-from pipemetrics.sim.hang_detection import markdown_table
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.interrupt import stop_child
+from pipemetrics.bench.report import four_digits, report, table
+from pipemetrics.commands import check, prove_options
+from pipemetrics.commands.argv import child_command, command_args
+from pipemetrics.commands.options import add_json_out, add_verbose
+from pipemetrics.commands.subcommand import Subcommand
+from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.collectives.interrupt import stop_child
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 PLOT_EXTRA = "pip install 'pipemetrics[plot]'"
 
 
 def _timed_command(
-    plan: Plan, results: Results, key: str, name: str, **options: Any
+    plan: Plan, results: Results, key: str, command: Subcommand, **options: Any
 ) -> float | None:
-    """Run ``pipemetrics NAME`` with ``options`` (by dest, the rest at their defaults) and
+    """Run ``pipemetrics COMMAND`` with ``options`` (by dest, the rest at their defaults) and
     ``--json FILE`` in a private directory under the plan's limit; its wall time, or None (with
     a note naming ``key``) when it did not finish with exit 0. The JSON it wrote is left in
     ``results.outputs[key]``."""
     with tempfile.TemporaryDirectory(prefix=f"pipemetrics-bench-{key}-") as directory:
         out = os.path.join(directory, "out.json")
+        name = command.name
         args = command_args(
-            name, **options, report_dir=os.path.join(directory, "report"), json_out=out
+            command, **options, report_dir=os.path.join(directory, "report"), json_out=out
         )
-        command = child_command(name, args)
-        tell("running: " + " ".join(command[1:]))
+        argv = child_command(command, args)
+        tell("running: " + " ".join(argv[1:]))
         began = time.perf_counter()
         proc = subprocess.Popen(
-            command, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            argv, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         try:
             stdout, stderr = proc.communicate(timeout=plan.check_timeout_s)
@@ -92,7 +93,7 @@ def _timed_command(
 def measure_check(plan: Plan, results: Results) -> bool:
     """Time ``pipemetrics check`` on the reference (ci profile); False when it was not usable."""
     results.check_s = _timed_command(
-        plan, results, "check_ci_profile_s", "check", hypothesis_profile="ci", database="none"
+        plan, results, "check_ci_profile_s", check.COMMAND, hypothesis_profile="ci", database="none"
     )
     return results.check_s is not None
 
@@ -102,7 +103,9 @@ def measure_prove(plan: Plan, results: Results) -> bool:
     the quick plan's two single-rank families); False when it was not usable."""
     tier = "process" if inprocess_unsupported() is not None else "inprocess"
     families = list(plan.prove_families)
-    results.prove_s = _timed_command(plan, results, "prove", "prove", tier=tier, families=families)
+    results.prove_s = _timed_command(
+        plan, results, "prove", prove_options.COMMAND, tier=tier, families=families
+    )
     return results.prove_s is not None
 
 
@@ -131,6 +134,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_verbose(parser)
 
 
+COMMAND = Subcommand(
+    "bench",
+    "throughput, scaling, hang detection and per-call cost, side by side",
+    add_bench_arguments,
+)
+
+
 def plotting_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
@@ -141,7 +151,7 @@ def _finish(data: dict[str, Any], plot_dir: str | None) -> None:
         print()
         print(markdown_table(data["hang_detection"]))
     if plot_dir:
-        from pipemetrics.sim.bench_plot import plot
+        from pipemetrics.bench.plot import plot
 
         for path in plot(data, Path(plot_dir)):
             tell(f"wrote {path}")

@@ -38,6 +38,7 @@ from pipemetrics.commands.options import (
     add_tier,
     add_verbose,
 )
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import (
@@ -63,10 +64,10 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
-from pipemetrics.sim.interrupt import signal_name, stop_child
-from pipemetrics.sim.pool import WorldPool
-from pipemetrics.sim.probe import probe_target, require_api
-from pipemetrics.sim.target import TargetLoadError, resolve_target
+from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
+from pipemetrics.sim.model.target import TargetLoadError, resolve_target
+from pipemetrics.sim.worlds.pool import WorldPool
+from pipemetrics.sim.worlds.probe import probe_target, require_api
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -142,6 +143,13 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
 
 
+COMMAND = Subcommand(
+    "check",
+    "run the conformance suite against an implementation",
+    add_check_arguments,
+)
+
+
 def _err(text: str) -> None:
     sys.stderr.write(text + "\n")
     sys.stderr.flush()
@@ -189,7 +197,7 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
     process, and what only this process does (the reports; the skip and xfail lists, already
     applied to the share and to its results)."""
     return child_command(
-        "check", args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
+        COMMAND, args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
         markdown=None, skip=None, xfail=None,
     )  # fmt: skip
 
@@ -285,7 +293,7 @@ def run_check(args: argparse.Namespace) -> int:
         _err("pipemetrics check: --max-examples must be >= 1")
         return EXIT_USAGE
     if args.tier == "inprocess":
-        from pipemetrics.sim.inprocess_world import inprocess_unsupported
+        from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
         unsupported = inprocess_unsupported()
         if unsupported is not None:

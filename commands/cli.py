@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from pipemetrics.commands.parser import build_parser
-from pipemetrics.sim.interrupt import Interrupted, SignalGuard
-from pipemetrics.sim.quiet import VERBOSE_ENV
+from pipemetrics.sim.collectives.interrupt import Interrupted, SignalGuard
+from pipemetrics.sim.worlds.quiet import VERBOSE_ENV
 
 PARENT_POLL_S = 0.2
 
@@ -69,7 +69,7 @@ def _end_forkserver() -> None:
     """`stop_forkserver`, finished even when a signal lands inside it (the command's work may be
     done by then): once more, where `SignalGuard` ignores every later signal, then the
     `Interrupted` goes on up, so the command still exits with 128 + signum."""
-    from pipemetrics.sim.world import stop_forkserver
+    from pipemetrics.sim.worlds.world import stop_forkserver
 
     try:
         stop_forkserver()

@@ -12,14 +12,15 @@ import argparse
 import sys
 
 from pipemetrics.commands.options import add_load_timeout, add_target, add_verbose
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.verdict import judge_run, judgement_text
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
-from pipemetrics.sim.scenario import DEFAULT_TARGET, Scenario, Step
-from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.target import TargetLoadError
-from pipemetrics.sim.world import World
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario, Step
+from pipemetrics.sim.model.target import TargetLoadError
+from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
+from pipemetrics.sim.worlds.world import World
 
 
 def demo_scenario(target: str = DEFAULT_TARGET) -> Scenario:
@@ -51,6 +52,13 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     add_target(parser, instead_of="the reference")
     add_load_timeout(parser)
     add_verbose(parser)
+
+
+COMMAND = Subcommand(
+    "demo",
+    "4 gloo ranks, first stage without MoE, MTP on the last stage",
+    add_demo_arguments,
+)
 
 
 def demo_command(args: argparse.Namespace) -> int:

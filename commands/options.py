@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from pipemetrics.properties.catalogue import SEMANTIC_PROFILES
-from pipemetrics.sim.pool import TIERS, Tier
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S
-from pipemetrics.sim.scenario import DEFAULT_TARGET
+from pipemetrics.sim.model.scenario import DEFAULT_TARGET
+from pipemetrics.sim.worlds.pool import TIERS, Tier
+from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S
 
 CHECK_TIER: Tier = "process"
 """``check`` runs on the process tier by default: the worlds are the real thing (one OS process
@@ -59,7 +59,7 @@ def add_load_timeout(parser: argparse.ArgumentParser) -> None:
 
 def add_verbose(parser: argparse.ArgumentParser) -> None:
     """``-v/--verbose``: show what importing torch and megatron-core prints (every command that
-    starts worlds; `pipemetrics.sim.quiet` holds it back otherwise)."""
+    starts worlds; `pipemetrics.sim.worlds.quiet` holds it back otherwise)."""
     parser.add_argument(
         "-v", "--verbose", action="store_true",
         help="show the warnings and log lines that importing torch and megatron-core prints "

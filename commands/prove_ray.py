@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from pipemetrics.commands.argv import child_command, command_args
-from pipemetrics.commands.prove import bound_options
-from pipemetrics.properties.prove import Bound, Certificate, merge, target_sha256
-from pipemetrics.sim.pool import Tier
-from pipemetrics.sim.scenario import replay_command
+from pipemetrics.commands.prove_options import COMMAND, bound_options
+from pipemetrics.prove.prover import Bound, Certificate, merge, target_sha256
+from pipemetrics.sim.model.scenario import replay_command
+from pipemetrics.sim.worlds.pool import Tier
 
 RAY_EXTRA = "pip install 'pipemetrics[ray]'"
 
@@ -61,10 +61,10 @@ def run_shard(
     with tempfile.TemporaryDirectory(prefix="pm-shard-") as scratch:
         out = Path(scratch) / "certificate.json"
         args = command_args(
-            "prove", impl=target, **bound_options(bound), shard=f"{k}/{n}", tier=tier,
+            COMMAND, impl=target, **bound_options(bound), shard=f"{k}/{n}", tier=tier,
             json_out=str(out), report_dir=str(Path(scratch) / "report"),
         )  # fmt: skip
-        command = child_command("prove", args)
+        command = child_command(COMMAND, args)
         done = subprocess.run(
             command, env={**os.environ, "TMPDIR": scratch}, capture_output=True, text=True,
             check=False,

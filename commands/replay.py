@@ -13,14 +13,15 @@ import sys
 from pathlib import Path
 
 from pipemetrics.commands.options import add_json_out, add_load_timeout, add_target, add_verbose
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
-from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
-from pipemetrics.sim.protocol import RunMode
-from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.target import TargetLoadError, locate_target
-from pipemetrics.sim.world import World, WorldStartError
+from pipemetrics.sim.collectives.protocol import RunMode
+from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
+from pipemetrics.sim.model.target import TargetLoadError, locate_target
+from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
+from pipemetrics.sim.worlds.world import World, WorldStartError
 
 
 def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,13 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_out(parser, what="the run")
     add_load_timeout(parser)
     add_verbose(parser)
+
+
+COMMAND = Subcommand(
+    "replay",
+    "re-run a scenario file and print its verdict",
+    add_replay_arguments,
+)
 
 
 def replay_command(args: argparse.Namespace) -> int:

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from pipemetrics.sim.coordinator import Outcome
-from pipemetrics.sim.protocol import Done, RunMode, Task
-from pipemetrics.sim.rank import RankServer, join_world
-from pipemetrics.sim.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.world import RankResult, WorldRun
+from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.collectives.protocol import Done, RunMode, Task
+from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
+from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.worlds.rank import RankServer, join_world
+from pipemetrics.sim.worlds.world import RankResult, WorldRun
 
 DEADLINE_EXIT = 124
 

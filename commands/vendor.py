@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.vendor import (
     VendoredHeader,
     first_difference,
@@ -38,6 +39,13 @@ def add_vendor_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit 0 when FILE is what `vendor` writes for its header's destination, 1 on "
         "drift (naming the first differing line), 2 when FILE is not a vendored copy",
     )
+
+
+COMMAND = Subcommand(
+    "vendor",
+    "write the reference as one file to vendor, or check such a file",
+    add_vendor_arguments,
+)
 
 
 def vendor_command(args: argparse.Namespace) -> int:

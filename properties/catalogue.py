@@ -47,7 +47,7 @@ from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.effort import Effort
 from pipemetrics.properties.strategies import Semantic
-from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.model.scenario import Scenario
 
 SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron", "strict")
 EVERY_PROFILE: frozenset[Semantic] = frozenset(SEMANTIC_PROFILES)

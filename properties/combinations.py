@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pipemetrics.properties.effort import Effort
 from pipemetrics.properties.strategies import Semantic, moe_call
 from pipemetrics.properties.synthetic import step_records
-from pipemetrics.sim.calls import CallSpec, MoeCall, MtpCall, RouterConfig, TrackNamesCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.records import StepRecords
-from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.model.calls import CallSpec, MoeCall, MtpCall, RouterConfig, TrackNamesCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import StepRecords
+from pipemetrics.sim.model.scenario import Scenario, Step
 
 
 def _records(setup: Setup, step: int) -> StepRecords:

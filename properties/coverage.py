@@ -14,11 +14,11 @@ from typing import Any
 from pipemetrics.properties.combinations import COMBINATIONS, present_combinations
 from pipemetrics.properties.effort import GENERATOR_CLASSES, is_wide
 from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
-from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
-from pipemetrics.sim.layout import EvenSplit, Setup, WorldSpec
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.topology import broadcast_plan, places_for
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
+from pipemetrics.sim.model.layout import EvenSplit, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.model.topology import broadcast_plan, places_for
+from pipemetrics.sim.worlds.world import WorldRun
 
 RARE: tuple[str, ...] = (
     "stage_without_moe",

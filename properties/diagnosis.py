@@ -35,12 +35,12 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
-from pipemetrics.sim import oracle
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import Frozen
-from pipemetrics.sim.oracle import PER_LAYER_PREFIX, GroupOf, Vectors
-from pipemetrics.sim.protocol import CallReport
-from pipemetrics.sim.records import RankPlace, TrackerSnapshot
+from pipemetrics.sim.collectives.protocol import CallReport
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import Frozen
+from pipemetrics.sim.model.records import RankPlace, TrackerSnapshot
+from pipemetrics.sim.results import oracle
+from pipemetrics.sim.results.oracle import PER_LAYER_PREFIX, GroupOf, Vectors
 
 Expected = dict[int, dict[str, float]]
 Wrong = dict[tuple[int, str], float]

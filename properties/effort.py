@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, Phase, settings
 
-from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.model.layout import WorldSpec
 
 EFFORT_NAMES: tuple[str, ...] = ("dev", "ci", "thorough")
 

@@ -3,7 +3,7 @@
 The property's scenario strategy drives a programmatic ``@given`` test; each example runs in a
 pooled live world (worlds live across examples and properties) and is judged. Hypothesis
 shrinks a failure; the last failing example it runs is the minimal one, so its scenario, the
-problems, what each rank did and its layout picture (`pipemetrics.sim.picture`) are kept. A
+problems, what each rank did and its layout picture (`pipemetrics.sim.results.picture`) are kept. A
 failing scenario is written with `save_scenario` for ``pipemetrics replay``.
 """
 
@@ -31,11 +31,11 @@ from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import Effort, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.strategies import Semantic
-from pipemetrics.sim.interrupt import raise_if_interrupted
-from pipemetrics.sim.pool import Tier, WorldPool
-from pipemetrics.sim.scenario import Scenario, replay_command, save_scenario
-from pipemetrics.sim.summary import layout_picture, what_ranks_did
-from pipemetrics.sim.world import WorldStartError
+from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
+from pipemetrics.sim.model.scenario import Scenario, replay_command, save_scenario
+from pipemetrics.sim.results.summary import layout_picture, what_ranks_did
+from pipemetrics.sim.worlds.pool import Tier, WorldPool
+from pipemetrics.sim.worlds.world import WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
 MAX_PROBLEM_LINES = 12
@@ -60,7 +60,7 @@ class PropertyResult:
     """What each rank did in the minimal failing example (human report only)."""
     xfail: bool = False
     picture: str | None = None
-    """`pipemetrics.sim.picture.layout_picture` of the minimal failing example: stages by
+    """`pipemetrics.sim.results.picture.layout_picture` of the minimal failing example: stages by
     layers, each rank's groups, where each rank stood when the world ended."""
     confirmed: bool | None = None
     """A failure: True once it reproduced on the process tier (where a failure found by the

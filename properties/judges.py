@@ -2,7 +2,7 @@
 
 Every judge first applies `standard_problems` (no hang, crash, mismatch or exception), except
 ``broadcast.errors_everywhere``, where exceptions are the expected outcome. Expected values come
-from `pipemetrics.sim.oracle`, computed from the tracker snapshot each rank took just before the
+from `pipemetrics.sim.results.oracle`, computed from the tracker snapshot each rank took just before the
 call, so a judge never trusts what the implementation did to the trackers.
 """
 
@@ -21,14 +21,14 @@ from pipemetrics.properties.runview import (
     standard_problems,
     world_problems,
 )
-from pipemetrics.sim import oracle
-from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall, TrackNamesCall
-from pipemetrics.sim.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
-from pipemetrics.sim.records import MtpRecord, MtpSnapshot
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.summary import short
-from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.calls import BroadcastCall, MoeCall, MtpCall, RoundUpCall, TrackNamesCall
+from pipemetrics.sim.model.records import MtpRecord, MtpSnapshot
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.model.topology import BroadcastRole, broadcast_plan, places_for
+from pipemetrics.sim.results import oracle
+from pipemetrics.sim.results.oracle import PER_LAYER_PREFIX, close, expected_moe_metrics
+from pipemetrics.sim.results.summary import short
+from pipemetrics.sim.worlds.world import WorldRun
 
 Judge = Callable[[Scenario, WorldRun], list[str]]
 Expected = dict[int, dict[str, float]]
@@ -603,7 +603,7 @@ def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
 
 def _source_tensors(scenario: Scenario, spec: BroadcastCall) -> dict[int, dict[str, Any]]:
     """Each calling rank's expected tensor (its own group's source tensor), described."""
-    from pipemetrics.sim.values import describe_tensor, make_tensor
+    from pipemetrics.sim.model.values import describe_tensor, make_tensor
 
     plan = broadcast_plan(spec, scenario.setup.world)
     described: dict[int, dict[str, Any]] = {}

@@ -51,9 +51,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     (taken from the same definitions)."""
     from pipemetrics.properties.catalogue import SEMANTIC_PROFILES
     from pipemetrics.properties.engine import DEFAULT_DATABASE
-    from pipemetrics.sim.pool import TIERS
-    from pipemetrics.sim.probe import DEFAULT_LOAD_TIMEOUT_S
-    from pipemetrics.sim.scenario import DEFAULT_TARGET
+    from pipemetrics.sim.model.scenario import DEFAULT_TARGET
+    from pipemetrics.sim.worlds.pool import TIERS
+    from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S
 
     group = parser.getgroup("pipemetrics", "pipemetrics conformance suite")
     group.addoption("--pipemetrics-impl", default=DEFAULT_TARGET, metavar="TARGET",
@@ -130,7 +130,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 
     from pipemetrics.properties.effort import get_effort
     from pipemetrics.properties.engine import RunOptions
-    from pipemetrics.sim.target import resolve_target
+    from pipemetrics.sim.model.target import resolve_target
 
     config = request.config
     effort = get_effort(config.getoption("--pipemetrics-hypothesis-profile"))
@@ -153,7 +153,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: Any) -> set[str]:
     """The seed API functions the target defines, found by importing it in a child process
     under a deadline (a target that does not load, or defines none of them, fails every test)."""
-    from pipemetrics.sim.probe import probe_target, require_api
+    from pipemetrics.sim.worlds.probe import probe_target, require_api
 
     timeout = request.config.getoption("--pipemetrics-load-timeout")
     target = pipemetrics_options.target
@@ -163,7 +163,7 @@ def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: An
 @pytest.fixture(scope="session")
 def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
     """One pool of live worlds per pytest process (per xdist worker)."""
-    from pipemetrics.sim.pool import WorldPool
+    from pipemetrics.sim.worlds.pool import WorldPool
 
     with WorldPool(
         max_ranks=pipemetrics_options.effort.max_ranks, tier=pipemetrics_options.tier
@@ -175,7 +175,7 @@ def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
 def pipemetrics_confirm_pool(pipemetrics_options: Any) -> Iterator[Any]:
     """The process-tier pool in which a failure of the in-process tier is confirmed (starts
     worlds only then)."""
-    from pipemetrics.sim.pool import WorldPool
+    from pipemetrics.sim.worlds.pool import WorldPool
 
     with WorldPool(max_ranks=pipemetrics_options.effort.max_ranks) as pool:
         yield pool

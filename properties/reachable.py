@@ -22,7 +22,7 @@ only by ``TopKRouter``):
   ``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``); 0.13
   records the seq-aux loss as ``load_balancing_loss`` (``seq_aux_loss_name``);
 * every entry has length ``num_layers + mtp_num_layers`` and the installed router's groups for
-  its name in this world (`pipemetrics.sim.records.recorded_reduction`: 0.13-0.18 record
+  its name in this world (`pipemetrics.sim.model.records.recorded_reduction`: 0.13-0.18 record
   ``z_loss`` without groups; 0.13 records the load-balancing loss without a reduce group when
   ``tp * cp == 1``);
 * values are sums over microbatches of per-forward losses divided by their coefficient: finite
@@ -60,13 +60,13 @@ from __future__ import annotations
 import math
 import struct
 
-from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.mcore import DpRule, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_layout,
     installed_z_loss_nan_at_zero_coeff,
 )
-from pipemetrics.sim.records import (
+from pipemetrics.sim.model.layout import Setup
+from pipemetrics.sim.model.records import (
     EntrySnapshot,
     MtpRecord,
     MtpSnapshot,

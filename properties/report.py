@@ -7,7 +7,7 @@ JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id
 which a failure first appeared, before shrinking (null otherwise). ``confirmed`` is true for a failure that
 reproduced on the process tier (every reported failure; a failure of the in-process tier that
 did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
-key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.picture`.
+key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.results.picture`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Reading a `WorldRun` for judges: per-call reports of every rank and world-level problems (the
-account of a run people read is `pipemetrics.sim.summary`'s).
+account of a run people read is `pipemetrics.sim.results.summary`'s).
 
 A judge sees the run through these helpers. `world_problems` turns an outcome other than ``ok``
 into the property's failure message (the outcome message is already a precise diagnosis) and a
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipemetrics.sim.calls import CallSpec, MoeCall
-from pipemetrics.sim.protocol import CallReport
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.collectives.protocol import CallReport
+from pipemetrics.sim.model.calls import CallSpec, MoeCall
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.worlds.world import WorldRun
 
 
 class HarnessFault(Exception):

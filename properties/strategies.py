@@ -19,7 +19,12 @@ from hypothesis import strategies as st
 
 from pipemetrics.properties.effort import Effort, is_wide
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
-from pipemetrics.sim.calls import (
+from pipemetrics.sim.mcore import RouterRouting, installed_features
+from pipemetrics.sim.mcore.mtp_tracker import (
+    installed_mtp_acceptance_switch,
+    installed_mtp_per_token_loss,
+)
+from pipemetrics.sim.model.calls import (
     NEW_GROUP,
     BroadcastCall,
     BufferSpec,
@@ -31,7 +36,7 @@ from pipemetrics.sim.calls import (
     RoundUpCall,
     TrackNamesCall,
 )
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.model.layout import (
     AUX_LOSS_TYPES,
     TRACK_NAME_OF,
     EvenSplit,
@@ -44,13 +49,8 @@ from pipemetrics.sim.layout import (
     StageSplit,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import RouterRouting, installed_features
-from pipemetrics.sim.mcore.mtp_tracker import (
-    installed_mtp_acceptance_switch,
-    installed_mtp_per_token_loss,
-)
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import broadcast_plan, places_for
 
 __all__ = [
     "broadcast_call",
@@ -202,11 +202,7 @@ def routing_configs(
 ) -> dict[str, object]:
     """routing_type / aux_loss_coeff (single or list, zero coefficients) and z_loss_coeff;
     only what ``router`` says the router runs (lists, ``global_aux_loss``)."""
-    types = [
-        t
-        for t in ROUTING_TYPES
-        if (sinkhorn or t != "sinkhorn") and (router.global_aux_loss or t != "global_aux_loss")
-    ]
+    types = [t for t in ROUTING_TYPES if (sinkhorn or t != "sinkhorn") and router.runs(t)]
     aux_types = [t for t in AUX_LOSS_TYPES if t in types]
     if not router.type_lists or draw(st.booleans()):
         routing: RoutingType | list[RoutingType] = draw(st.sampled_from(types))
@@ -336,7 +332,7 @@ numpy float32; the reference promises the same results for every form (strict on
 def loss_scale_forms(
     semantic: Semantic, *, default: bool = False
 ) -> st.SearchStrategy[MtpLossScaleForm]:
-    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.calls.LossScaleForm`);
+    """The object ``loss_scale`` is passed as (see `pipemetrics.sim.model.calls.LossScaleForm`);
     ``default``: also no argument at all (``get_mtp_metrics()``, whose default the document
     gives)."""
     forms: list[MtpLossScaleForm] = list(
@@ -390,7 +386,7 @@ def moe_call(
     trainer-wired form), what each rank's target returns from its own
     ``get_aux_loss_track_names`` for the layout's config, as the document tells callers to
     derive them (the router's names are then passed only where that form cannot be made:
-    `pipemetrics.sim.protocol.ComposedStatus`)."""
+    `pipemetrics.sim.collectives.protocol.ComposedStatus`)."""
     return MoeCall(
         loss_scale=loss_scale,
         per_layer_logging=per_layer_logging,

@@ -7,7 +7,7 @@ and every router its pipeline stage owns (`Setup.router_slots`: main MoE layers 
 global slot; MoE MTP layers at slot ``num_layers + k``, or on 0.13-0.15 the MTP chunk's first
 decoder slot), each name the installed router records in the router's order
 (`ModelLayout.recorded_track_names`) with the groups it passes in this world
-(`pipemetrics.sim.records.recorded_reduction`) and entries of length
+(`pipemetrics.sim.model.records.recorded_reduction`) and entries of length
 ``num_layers + mtp_num_layers``. The ranks of the last stage record every MTP layer per
 microbatch (0-based ``layer_number``, averaged over the installed release's group,
 ``mtp_loss_avg_role`` of `installed_features`): a loss and whole token counts with correct <=
@@ -24,17 +24,17 @@ from collections.abc import Callable
 from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import nan_recorded
-from pipemetrics.sim.layout import Setup
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
-from pipemetrics.sim.records import (
+from pipemetrics.sim.model.layout import Setup
+from pipemetrics.sim.model.records import (
     MoeRecord,
     MtpRecord,
     StepRecords,
     recorded_reduction,
     router_record,
 )
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.model.topology import places_for
 
 VALUE_BANDS: dict[str, tuple[float, float]] = {
     "ordinary": (1e-3, 10.0),

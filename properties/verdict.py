@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.judges import whole_run
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.worlds.world import WorldRun
 
 
 class UnknownProperty(ValueError):

@@ -13,7 +13,8 @@ Public API::
 See ARCHITECTURE.md for how a scenario flows through the simulator.
 """
 
-from pipemetrics.sim.calls import (
+from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.model.calls import (
     BroadcastCall,
     BufferSpec,
     CallSpec,
@@ -22,8 +23,7 @@ from pipemetrics.sim.calls import (
     RoundUpCall,
     TrackNamesCall,
 )
-from pipemetrics.sim.coordinator import Outcome
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.model.layout import (
     EvenSplit,
     ExplicitSplit,
     FirstLastSplit,
@@ -31,10 +31,22 @@ from pipemetrics.sim.layout import (
     Setup,
     WorldSpec,
 )
-from pipemetrics.sim.pool import WorldPool
-from pipemetrics.sim.records import MoeRecord, MtpRecord, RankPlace, StepRecords, TrackerSnapshot
-from pipemetrics.sim.scenario import Scenario, ScenarioFileError, Step, load_scenario, save_scenario
-from pipemetrics.sim.world import World, WorldRun, WorldStartError
+from pipemetrics.sim.model.records import (
+    MoeRecord,
+    MtpRecord,
+    RankPlace,
+    StepRecords,
+    TrackerSnapshot,
+)
+from pipemetrics.sim.model.scenario import (
+    Scenario,
+    ScenarioFileError,
+    Step,
+    load_scenario,
+    save_scenario,
+)
+from pipemetrics.sim.worlds.pool import WorldPool
+from pipemetrics.sim.worlds.world import World, WorldRun, WorldStartError
 
 __all__ = [
     "BroadcastCall",

@@ -42,7 +42,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture
 def pipemetrics_trackers() -> Iterator[None]:
     """Clean megatron-core trackers, reset again after the test (no world)."""
-    from pipemetrics.sim.trackers import cpu_current_device, reset_trackers
+    from pipemetrics.sim.megatron.trackers import cpu_current_device, reset_trackers
 
     reset_trackers()
     try:

@@ -3,7 +3,7 @@ DIRECTORY RANK``): joins the two-stage gloo world over a ``FileStore`` in DIRECT
 ``parallel_state`` (``pp=2``), says it is ready (``rankN.ready``), runs the function the spec names and writes its result (or its
 exception) to ``rankN.result``, then waits for the peer's result so that no rank leaves a
 collective its peer is still in. Output and stack dumps go to ``rankN.log``/``rankN.stacks``;
-the process dies with its controller (`pipemetrics.sim.rank.run_child`).
+the process dies with its controller (`pipemetrics.sim.worlds.rank.run_child`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ WORLD_SIZE = 2
 def _outcome(directory: str, rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from pipemetrics.sim.layout import WorldSpec
-    from pipemetrics.sim.rank import join_world
-    from pipemetrics.sim.trackers import cpu_current_device, reset_trackers
+    from pipemetrics.sim.megatron.trackers import cpu_current_device, reset_trackers
+    from pipemetrics.sim.model.layout import WorldSpec
+    from pipemetrics.sim.worlds.rank import join_world
     from pipemetrics.testing.worlds import Stage, _FunctionRef
 
     try:
@@ -71,7 +71,7 @@ def main(argv: list[str]) -> None:
     directory, rank = argv[0], int(argv[1])
     spec = json.loads(Path(directory, "spec.json").read_text(encoding="utf-8"))
     sys.path[:0] = [p for p in spec["sys_path"] if p not in sys.path]
-    from pipemetrics.sim.rank import run_child
+    from pipemetrics.sim.worlds.rank import run_child
 
     run_child(
         directory,

@@ -2,10 +2,10 @@
 them back.
 
 Every record goes through the installed megatron-core's own recording call, chosen by feature
-(`pipemetrics.sim.trackers`: ``MoEMetricsTracker.record`` from 0.18, ``save_to_aux_losses_tracker``
+(`pipemetrics.sim.megatron.trackers`: ``MoEMetricsTracker.record`` from 0.18, ``save_to_aux_losses_tracker``
 on 0.13-0.17; ``MTPLossLoggingHelper.save_metrics_to_tracker``, or ``save_loss_to_tracker`` on
 0.18, which counts no acceptance), with the process groups the installed router and MTP layer
-pass for each name in the current world (`pipemetrics.sim.records.recorded_reduction`). Without
+pass for each name in the current world (`pipemetrics.sim.model.records.recorded_reduction`). Without
 an initialised ``torch.distributed`` the records carry no groups (the router's data-parallel
 flag only), for tests whose reduction is patched out.
 
@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipemetrics.sim.layout import WorldSpec
-    from pipemetrics.sim.records import TrackerSnapshot
-    from pipemetrics.sim.trackers import GroupsByRole
+    from pipemetrics.sim.megatron.trackers import GroupsByRole
+    from pipemetrics.sim.model.layout import WorldSpec
+    from pipemetrics.sim.model.records import TrackerSnapshot
 
 LayerValues = Sequence[float] | Mapping[int, float]
 """One name's values: a sequence (layer 1, 2, ...) or ``{1-based layer number: value}``."""
@@ -31,8 +31,8 @@ def _current_world() -> tuple[WorldSpec | None, GroupsByRole]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from pipemetrics.sim.layout import WorldSpec
-    from pipemetrics.sim.rank import live_groups
+    from pipemetrics.sim.model.layout import WorldSpec
+    from pipemetrics.sim.worlds.rank import live_groups
 
     if not (dist.is_available() and dist.is_initialized()):
         return None, {}
@@ -79,13 +79,13 @@ def record_moe(losses: Mapping[str, LayerValues], *, num_layers: int | None = No
 
     >>> record_moe({"z_loss": [0.1, 0.2], "load_balancing_loss": {2: 1.5}}, num_layers=4)
     """
-    from pipemetrics.sim.records import (
+    from pipemetrics.sim.megatron.trackers import apply_moe_records, cpu_current_device
+    from pipemetrics.sim.model.records import (
         MoeRecord,
         recorded_reduction,
         router_record,
         router_reduction,
     )
-    from pipemetrics.sim.trackers import apply_moe_records, cpu_current_device
 
     tables = {name: _per_layer(name, values, num_layers) for name, values in losses.items()}
     length = (
@@ -119,8 +119,8 @@ def record_mtp(
     Call it once per microbatch: the tracker adds up.
     """
     from pipemetrics.sim.mcore import installed_features
-    from pipemetrics.sim.records import MtpRecord
-    from pipemetrics.sim.trackers import apply_mtp_records, cpu_current_device
+    from pipemetrics.sim.megatron.trackers import apply_mtp_records, cpu_current_device
+    from pipemetrics.sim.model.records import MtpRecord
 
     n = len(losses)
     counts = {"correct": correct or [0.0] * n, "total": total or [0.0] * n}
@@ -145,9 +145,9 @@ def record_mtp(
 
 
 def tracker_snapshot() -> TrackerSnapshot:
-    """Both trackers of this rank as plain data (`pipemetrics.sim.records.TrackerSnapshot`:
+    """Both trackers of this rank as plain data (`pipemetrics.sim.model.records.TrackerSnapshot`:
     MoE entries in insertion order with their groups' member ranks; the MTP tracker)."""
-    from pipemetrics.sim.trackers import snapshot
+    from pipemetrics.sim.megatron.trackers import snapshot
 
     return snapshot()
 
@@ -191,6 +191,6 @@ def assert_trackers_cleared() -> None:
 def reset_trackers() -> None:
     """Forget every MoE and MTP tracker entry of this process (megatron-core's own reset:
     ``destroy_moe_metrics_tracker`` from 0.18, the dict's ``clear`` before; MTP ``{}``)."""
-    from pipemetrics.sim import trackers
+    from pipemetrics.sim.megatron import trackers
 
     trackers.reset_trackers()

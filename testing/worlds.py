@@ -101,9 +101,9 @@ def one_rank_world() -> Iterator[Stage]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from pipemetrics.sim.layout import WorldSpec
-    from pipemetrics.sim.rank import join_world
-    from pipemetrics.sim.trackers import cpu_current_device, reset_trackers
+    from pipemetrics.sim.megatron.trackers import cpu_current_device, reset_trackers
+    from pipemetrics.sim.model.layout import WorldSpec
+    from pipemetrics.sim.worlds.rank import join_world
 
     if dist.is_initialized():
         raise RuntimeError(

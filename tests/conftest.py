@@ -29,7 +29,7 @@ from typing import IO
 
 import pytest
 
-from pipemetrics.sim.pool import Tier, WorldPool
+from pipemetrics.sim.worlds.pool import Tier, WorldPool
 
 
 def _interrupt_on_sigterm(signum: int, frame: object) -> None:
@@ -180,7 +180,7 @@ def fresh_trackers() -> Iterator[None]:
     """Megatron's MoE and MTP trackers empty before and after a single-process test."""
     import torch.distributed as dist
 
-    from pipemetrics.sim.trackers import reset_trackers
+    from pipemetrics.sim.megatron.trackers import reset_trackers
 
     assert not dist.is_initialized()
     reset_trackers()
@@ -194,8 +194,8 @@ COLD_START_CAP_S = 900.0
 COLD_START = """
 import time
 began = time.monotonic()
-from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.world import World
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.worlds.world import World
 with World(WorldSpec(pp=2)):
     pass
 print(time.monotonic() - began)

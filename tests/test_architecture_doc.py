@@ -9,6 +9,7 @@ described in the folder table at the top, which must name each of its modules.
 from __future__ import annotations
 
 import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,29 @@ def test_the_module_table_matches_the_package(folder: str) -> None:
     assert not table - present, (
         f"ARCHITECTURE.md's {folder}/ table names modules that do not exist: {table - present}"
     )
+
+
+def layers_contracts() -> dict[str, list[str]]:
+    """pyproject.toml's import-linter layers contracts: id -> layers, short names (the top
+    level's without ``pipemetrics.``, a container's relative to it)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    found: dict[str, list[str]] = {}
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        if contract["type"] == "layers":
+            found[contract["id"]] = [
+                " | ".join(p.strip().removeprefix("pipemetrics.") for p in layer.split("|"))
+                for layer in contract["layers"]
+            ]
+    return found
+
+
+def test_the_layers_section_states_the_import_contracts() -> None:
+    """ARCHITECTURE.md's Layers section names each layers contract's layers, in order."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    body = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    stated = [
+        [layer.strip("` ") for layer in line.split(": ", 1)[1].split(" > ")]
+        for line in body.splitlines()
+        if line.startswith("- ")
+    ]
+    assert sorted(stated) == sorted(layers_contracts().values())

@@ -21,13 +21,13 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage, features, generator_classes
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.synthetic import VALUE_BANDS
-from pipemetrics.sim.calls import LOSS_SCALE_FORMS, MoeCall, MtpCall, float32_value
-from pipemetrics.sim.layout import ModelLayout, Setup
-from pipemetrics.sim.oracle import expected_moe_metrics, expected_mtp_metrics
-from pipemetrics.sim.rank import loss_scale_argument
-from pipemetrics.sim.records import EntrySnapshot, MtpSnapshot, TrackerSnapshot
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.model.calls import LOSS_SCALE_FORMS, MoeCall, MtpCall, float32_value
+from pipemetrics.sim.model.layout import ModelLayout, Setup
+from pipemetrics.sim.model.records import EntrySnapshot, MtpSnapshot, TrackerSnapshot
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.results.oracle import expected_moe_metrics, expected_mtp_metrics
+from pipemetrics.sim.worlds.rank import loss_scale_argument
 
 CI = EFFORTS["ci"]
 WITHOUT = CI.without(["argument_forms"])

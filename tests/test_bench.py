@@ -27,12 +27,12 @@ from typing import Any
 
 import pytest
 
+from pipemetrics.bench.call_cost import REFERENCE_FUNCTION
+from pipemetrics.bench.hang_detection import measure_pipemetrics
 from pipemetrics.commands import bench
 from pipemetrics.commands.bench import plotting_available
-from pipemetrics.sim.call_cost import REFERENCE_FUNCTION
-from pipemetrics.sim.hang_detection import measure_pipemetrics
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .conftest import Bounds, TrackingPool, assert_no_leftovers, private_tmpdir
 

@@ -1,4 +1,4 @@
-"""The built-in target ``megatron-core`` (`pipemetrics.sim.builtin_megatron_core`) itself.
+"""The built-in target ``megatron-core`` (`pipemetrics.sim.megatron.builtin_megatron_core`) itself.
 
 The adapter must add nothing that could fail: in situations where Megatron's own reduction is
 trivially right (one rank; or every rank holding every name, so ``force_initialize`` creates
@@ -20,21 +20,21 @@ from typing import Any
 import pytest
 
 from pipemetrics.properties.catalogue import BY_ID
-from pipemetrics.sim import builtin_megatron_core as adapter
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import MtpRecord, StepRecords
-from pipemetrics.sim.records import router_record as rec
-from pipemetrics.sim.scenario import CallSpec, Scenario, Step
-from pipemetrics.sim.target import (
+from pipemetrics.sim.megatron import builtin_megatron_core as adapter
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import MtpRecord, StepRecords
+from pipemetrics.sim.model.records import router_record as rec
+from pipemetrics.sim.model.scenario import CallSpec, Scenario, Step
+from pipemetrics.sim.model.target import (
     BUILTIN_TARGETS,
     is_path_target,
     load_target,
     provided_functions,
     resolve_builtin,
 )
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .conftest import Bounds, TrackingPool, assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -53,7 +53,7 @@ CLASS_TRACKER_ONLY = pytest.mark.skipif(
 
 
 def test_builtin_name_resolves_to_the_adapter() -> None:
-    assert resolve_builtin(TARGET) == "pipemetrics.sim.builtin_megatron_core"
+    assert resolve_builtin(TARGET) == "pipemetrics.sim.megatron.builtin_megatron_core"
     assert resolve_builtin("mytrainer.megatron.common") == "mytrainer.megatron.common"
     assert not is_path_target(TARGET)
     assert set(BUILTIN_TARGETS) == {TARGET}

@@ -15,7 +15,7 @@ import pytest
 
 from pipemetrics.properties.coverage import RARE, Coverage
 from pipemetrics.properties.report import COVERAGE_WIDTH, print_coverage
-from pipemetrics.sim.quiet import VERBOSE_ENV
+from pipemetrics.sim.worlds.quiet import VERBOSE_ENV
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -41,7 +41,7 @@ def _third_party_lines(bounds: Bounds) -> list[str]:
     (`_key`s)."""
     with private_tmpdir() as tmp:
         done = run_bounded(
-            [sys.executable, "-c", "import pipemetrics.sim.rank"],
+            [sys.executable, "-c", "import pipemetrics.sim.worlds.rank"],
             cwd=tmp, env=_env(tmp), timeout=bounds(3, 60),
         )  # fmt: skip
     assert done.returncode == 0, done.stdout
@@ -87,7 +87,7 @@ def test_first_screen_is_ours_and_verbose_shows_the_import_warnings(
 HOLDING = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from pipemetrics.sim.quiet import import_quietly
+from pipemetrics.sim.worlds.quiet import import_quietly
 import_quietly("pm_prints_then_works")
 print("imported", "pm_prints_then_works" in sys.modules, flush=True)
 try:

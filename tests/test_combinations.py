@@ -18,8 +18,8 @@ from pipemetrics.properties.combinations import (
 )
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
-from pipemetrics.sim.layout import ModelLayout, Setup
-from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.model.layout import ModelLayout, Setup
+from pipemetrics.sim.model.scenario import Scenario, Step
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds

@@ -11,7 +11,8 @@ import argparse
 import pytest
 
 from pipemetrics.commands.argv import argv_for, child_command, command_args
-from pipemetrics.commands.parser import command_parser
+from pipemetrics.commands.check import COMMAND as CHECK
+from pipemetrics.commands.parser import SUBCOMMANDS, command_parser
 
 COMMANDS = ("check", "prove", "bench")
 
@@ -89,8 +90,8 @@ def test_all_options_at_once_round_trip(command: str) -> None:
 
 
 def test_a_child_gets_every_option_but_its_overrides() -> None:
-    args = command_args("check", seed=3, without_class=["wide_world"], json_out="r.json")
-    command = child_command("check", args, json_out=None, only=["moe.no_hang"])
+    args = command_args(CHECK, seed=3, without_class=["wide_world"], json_out="r.json")
+    command = child_command(CHECK, args, json_out=None, only=["moe.no_hang"])
     assert command[1:4] == ["-m", "pipemetrics.commands.cli", "check"]
     child = command_parser("check").parse_args(command[4:])
     assert vars(child) == {**vars(args), "json_out": None, "only": ["moe.no_hang"]}
@@ -98,9 +99,18 @@ def test_a_child_gets_every_option_but_its_overrides() -> None:
 
 def test_a_value_like_an_option_travels_attached_or_is_refused() -> None:
     parser = command_parser("check")
-    negative = command_args("check", seed=-1)
+    negative = command_args(CHECK, seed=-1)
     assert parser.parse_args(argv_for(parser, negative)) == negative
     with pytest.raises(ValueError, match="only"):
-        argv_for(parser, command_args("check", only=["moe", "-x"]))
+        argv_for(parser, command_args(CHECK, only=["moe", "-x"]))
     with pytest.raises(ValueError, match="no option sedd"):
-        command_args("check", sedd=3)
+        command_args(CHECK, sedd=3)
+
+
+def test_a_subcommand_parses_its_options_alone_as_the_full_parser_does() -> None:
+    """`Subcommand.parser` (what `argv` reads) declares the same options as the command's
+    subparser in ``pipemetrics``'s parser, for every subcommand of the table."""
+    for command in SUBCOMMANDS:
+        alone = {a.dest: a.default for a in command.parser()._actions}
+        full = {a.dest: a.default for a in command_parser(command.name)._actions}
+        assert alone == full, command.name

@@ -16,11 +16,11 @@ from pipemetrics.properties.diagnosis import (
     moe_hypotheses,
     wrong_values,
 )
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.oracle import expected_moe_metrics
-from pipemetrics.sim.records import EntrySnapshot, TrackerSnapshot
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.model.records import EntrySnapshot, TrackerSnapshot
+from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.results.oracle import expected_moe_metrics
 
 LB, Z = "load_balancing_loss", "z_loss"
 

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.scenario import Scenario, Step, save_scenario
-from pipemetrics.sim.target import API_FUNCTIONS
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import Scenario, Step, save_scenario
+from pipemetrics.sim.model.target import API_FUNCTIONS
 
 from .broken.mutants import write_mutant
 from .conftest import (
@@ -192,7 +192,7 @@ def test_signal_during_shrinking(tmp_path: Path, short_tmp: Path, bounds: Bounds
 CAUGHT_WHERE_IT_LANDS = """
 import os, signal, sys, time
 from pipemetrics.commands.cli import run
-from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.model.scenario import Scenario
 
 how = sys.argv.pop(1)
 original = Scenario.model_dump_json
@@ -287,7 +287,7 @@ def demo_patched(patch: str, cwd: Path, private: Path, timeout: float) -> str:
 
 SIGNAL_AT_FORKSERVER_SPAWN = """
 sys.path.insert(0, {preload_dir!r})
-import pipemetrics.sim.world as world
+import pipemetrics.sim.worlds.world as world
 from multiprocessing import util
 world.PRELOAD.append("pipemetrics_slow_preload")
 spawn = util.spawnv_passfds
@@ -331,7 +331,7 @@ os.waitpid = waitpid_then_signal
 """,
     # after the cleanup, while the exit code is chosen
     "choosing_the_exit_code": """
-from pipemetrics.sim.interrupt import SignalGuard
+from pipemetrics.sim.collectives.interrupt import SignalGuard
 stop_raising = SignalGuard.stop_raising
 def stop_raising_then_signal(self):
     stop_raising(self)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from pipemetrics.properties.catalogue import CATALOGUE
 from pipemetrics.properties.coverage import Coverage, generator_classes
 from pipemetrics.properties.effort import GENERATOR_CLASSES, Effort, get_effort
-from pipemetrics.sim.scenario import Scenario
+from pipemetrics.sim.model.scenario import Scenario
 
 
 def classes_drawn(profile: Effort, semantic: str = "seed") -> Counter[str]:

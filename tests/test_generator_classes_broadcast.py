@@ -19,11 +19,11 @@ from pipemetrics.properties import strategies as s
 from pipemetrics.properties.coverage import features, generator_classes
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.judges import whole_run
-from pipemetrics.sim.calls import NEW_GROUP, BroadcastCall, BufferSpec
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.topology import BroadcastRole, broadcast_plan, places_for
-from pipemetrics.sim.values import make_tensor
+from pipemetrics.sim.model.calls import NEW_GROUP, BroadcastCall, BufferSpec
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import BroadcastRole, broadcast_plan, places_for
+from pipemetrics.sim.model.values import make_tensor
 
 from .conftest import TrackingPool
 

@@ -18,19 +18,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
+from pipemetrics.bench.differential import differences
+from pipemetrics.bench.measure import throughput_scenario
 from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.bench import throughput_scenario
-from pipemetrics.sim.calls import MoeCall, RoundUpCall
-from pipemetrics.sim.differential import differences
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.protocol import RunMode
-from pipemetrics.sim.records import StepRecords
-from pipemetrics.sim.records import router_record as moe
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.collectives.protocol import RunMode
+from pipemetrics.sim.model.calls import MoeCall, RoundUpCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import StepRecords
+from pipemetrics.sim.model.records import router_record as moe
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .broken.mutants import MUTANTS, write_mutant
 from .conftest import Bounds, TrackingPool, tracking_pool
@@ -290,7 +290,7 @@ def test_a_world_of_64_ranks(inprocess_pool: TrackingPool) -> None:
     world = WorldSpec(tp=2, pp=4, dp=8)
     layout = ModelLayout(num_layers=4, moe_layer_freq=[0, 1, 1, 1])
     setup = Setup(world=world, layout=layout)
-    from pipemetrics.sim.topology import coordinates
+    from pipemetrics.sim.model.topology import coordinates
 
     records = {
         rank: [moe("load_balancing_loss", layer, 0.5 + rank / 64, layout.num_layers)
@@ -398,8 +398,8 @@ def test_the_tiers_scramble_a_non_contiguous_source_alike(
     """A copy that sends a non-contiguous source as it is: gloo delivers its storage as it
     lies, scrambled, without an error; the in-process tier delivers the same, so a seed run on
     either tier fails it (and the reference, which sends a contiguous copy, passes on both)."""
-    from pipemetrics.sim.calls import BroadcastCall
-    from pipemetrics.sim.values import make_tensor
+    from pipemetrics.sim.model.calls import BroadcastCall
+    from pipemetrics.sim.model.values import make_tensor
 
     call = BroadcastCall(src_rank=0, shape=[3, 2], non_contiguous=True, strided=strided)
     source = make_tensor([3, 2], "float32", 0, True, strided)

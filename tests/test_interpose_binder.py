@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch.distributed.distributed_c10d as c10d
 
-from pipemetrics.sim.interpose import COLLECTIVES, Binder
+from pipemetrics.sim.collectives.interpose import COLLECTIVES, Binder
 
 FUNCTIONS = [name for name in COLLECTIVES if callable(getattr(c10d, name, None))]
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.sim import interrupt
-from pipemetrics.sim.interrupt import Interrupted, SignalGuard, stop_child
-from pipemetrics.sim.probe import probe_target, require_api
-from pipemetrics.sim.target import API_FUNCTIONS, TargetLoadError
+from pipemetrics.sim.collectives import interrupt
+from pipemetrics.sim.collectives.interrupt import Interrupted, SignalGuard, stop_child
+from pipemetrics.sim.model.target import API_FUNCTIONS, TargetLoadError
+from pipemetrics.sim.worlds.probe import probe_target, require_api
 
 from .conftest import Bounds
 
@@ -197,7 +197,7 @@ def test_a_worker_that_ends_without_results_makes_its_properties_errors(tmp_path
 def test_signals_held_are_delivered_when_the_block_ends() -> None:
     """World.__init__ creates its directory and registers the finalizer that removes it with
     SIGINT/SIGTERM held back: a signal in between is raised after both, never between them."""
-    from pipemetrics.sim.world import signals_held
+    from pipemetrics.sim.worlds.world import signals_held
 
     with SignalGuard(), pytest.raises(Interrupted) as caught:
         with signals_held():

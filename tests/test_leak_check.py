@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .conftest import (
     Bounds,
@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 WAITING_TEST = """
 import time
 
-from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.model.layout import WorldSpec
 
 
 def test_holds_a_world(request):

@@ -30,9 +30,9 @@ from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelpe
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from pipemetrics.sim.builtin_megatron_core import ScalarCollector
 from pipemetrics.sim.mcore import InstalledFeatures, installed_features
-from pipemetrics.sim.trackers import cpu_current_device
+from pipemetrics.sim.megatron.builtin_megatron_core import ScalarCollector
+from pipemetrics.sim.megatron.trackers import cpu_current_device
 
 RANK_TIMEOUT_S = 300.0
 """Bound on the spawned rank-like process (it imports torch and megatron-core: seconds when
@@ -51,7 +51,7 @@ def _rank_side(conn: Connection) -> None:
     """A spawned process that imports what a rank imports, then reads the features."""
     import megatron.core.parallel_state  # noqa: F401  (a rank has imported megatron first)
 
-    import pipemetrics.sim.rank  # noqa: F401
+    import pipemetrics.sim.worlds.rank  # noqa: F401
     from pipemetrics.sim.mcore import installed_features as read
 
     conn.send(read().model_dump_json())

@@ -27,13 +27,13 @@ import pytest
 
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.calls import MoeCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import StepRecords
-from pipemetrics.sim.records import router_record as rec
-from pipemetrics.sim.scenario import Scenario, Step, load_scenario, save_scenario
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.calls import MoeCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import StepRecords
+from pipemetrics.sim.model.records import router_record as rec
+from pipemetrics.sim.model.scenario import Scenario, Step, load_scenario, save_scenario
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .conftest import TrackingPool
 

@@ -8,9 +8,12 @@ import pytest
 
 from pipemetrics.properties.strategies import LOSS_SCALES
 from pipemetrics.properties.synthetic import VALUE_BANDS
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.oracle import (
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.model.records import EntrySnapshot, MtpSnapshot, RankPlace, TrackerSnapshot
+from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.model.values import TENSOR_KEY
+from pipemetrics.sim.results.oracle import (
     as_number,
     close,
     expected_moe_metrics,
@@ -18,9 +21,6 @@ from pipemetrics.sim.oracle import (
     expected_total_loss_dict,
     reduce_stage,
 )
-from pipemetrics.sim.records import EntrySnapshot, MtpSnapshot, RankPlace, TrackerSnapshot
-from pipemetrics.sim.topology import places_for
-from pipemetrics.sim.values import TENSOR_KEY
 
 LBL = "load_balancing_loss"
 
@@ -384,7 +384,7 @@ def test_tracker_snapshot_reads_both_mtp_layouts() -> None:
     import torch
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    from pipemetrics.sim.trackers import reset_trackers, snapshot
+    from pipemetrics.sim.megatron.trackers import reset_trackers, snapshot
 
     try:
         # megatron-core 0.18: the loss only

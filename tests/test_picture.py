@@ -6,14 +6,14 @@ import json
 
 from pipemetrics.properties.engine import PropertyResult
 from pipemetrics.properties.report import render_markdown
-from pipemetrics.sim.coordinator import Coordinator, Outcome
-from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.picture import MAX_WIDTH, layout_picture, member_list, short_site
-from pipemetrics.sim.protocol import CollectiveCall
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.summary import summarize
-from pipemetrics.sim.topology import places_for
-from pipemetrics.sim.world import RankResult, WorldRun
+from pipemetrics.sim.collectives.coordinator import Coordinator, Outcome
+from pipemetrics.sim.collectives.protocol import CollectiveCall
+from pipemetrics.sim.model.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.results.picture import MAX_WIDTH, layout_picture, member_list, short_site
+from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.worlds.world import RankResult, WorldRun
 
 SITE = (
     "/venv/lib/python3.12/site-packages/megatron/core/transformer/moe/moe_logging.py:277 "
@@ -204,7 +204,7 @@ def test_replay_summary_shows_the_picture_after_the_outcome() -> None:
 
 def test_a_long_call_site_keeps_its_file_line_and_function() -> None:
     """A path target's site is an absolute path; clipped, it keeps its end, not its start."""
-    from pipemetrics.sim.picture import _SITE_WIDTH, _clip_site
+    from pipemetrics.sim.results.picture import _SITE_WIDTH, _clip_site
 
     site = "/tmp/" + "d" * 120 + "/mutants/impl.py:697 in _sync"
     clipped = _clip_site(site)

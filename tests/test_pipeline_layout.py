@@ -1,4 +1,4 @@
-"""`pipemetrics.sim.pipeline_layout` against megatron-core's own ``PipelineParallelLayerLayout``.
+"""`pipemetrics.sim.model.pipeline_layout` against megatron-core's own ``PipelineParallelLayerLayout``.
 
 Covered, not sampled: every layout of up to four virtual stages over a fixed alphabet of stage
 contents (embedding, decoder, MTP and loss in the combinations that matter, and wrong ones), for
@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.mcore import MTP_ON_THE_LAST_STAGE, installed_features
+from pipemetrics.sim.model.layout import (
     LayoutSplit,
     ModelLayout,
     Setup,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import MTP_ON_THE_LAST_STAGE, installed_features
-from pipemetrics.sim.pipeline_layout import LayoutError, PipelineLayout, parse_layout
+from pipemetrics.sim.model.pipeline_layout import LayoutError, PipelineLayout, parse_layout
 
 NEEDS_STANDALONE_MTP = pytest.mark.skipif(
     installed_features().layout_keeps_mtp_last,

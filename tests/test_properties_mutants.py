@@ -20,8 +20,8 @@ from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.diagnosis import PHRASES, Cause
 from pipemetrics.properties.effort import EFFORTS
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .broken.mutants import MUTANTS, write_mutant
 from .broken.test_mutants_apply import NEEDS_TO_RUN, NEEDS_TO_SHOW

@@ -26,7 +26,7 @@ from pipemetrics.commands.check import run_check
 from pipemetrics.commands.parser import build_parser
 from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
-from pipemetrics.sim.world import start_forkserver
+from pipemetrics.sim.worlds.world import start_forkserver
 
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
 from .test_faults import descendants, wait_for

@@ -22,23 +22,23 @@ from pipemetrics.properties.reachable import (
 )
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
 from pipemetrics.properties.synthetic import masked_mtp_layers, step_records
-from pipemetrics.sim.calls import BroadcastCall, MoeCall, MtpCall
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
+from pipemetrics.sim.model.calls import BroadcastCall, MoeCall, MtpCall
+from pipemetrics.sim.model.layout import (
     ModelLayout,
     Setup,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
-from pipemetrics.sim.records import (
+from pipemetrics.sim.model.records import (
     MoeRecord,
     MtpRecord,
     StepRecords,
     recorded_reduction,
     router_record,
 )
-from pipemetrics.sim.scenario import Scenario
-from pipemetrics.sim.topology import broadcast_plan, places_for
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.model.topology import broadcast_plan, places_for
 
 CI = EFFORTS["ci"]
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))

@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.commands.prove import (
+from pipemetrics.commands.prove_options import (
     add_prove_arguments,
     bound_cli_args,
     bound_from_args,
 )
-from pipemetrics.properties.prove import (
+from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
+from pipemetrics.properties.strategies import DTYPES, every_rank_records_every_name
+from pipemetrics.prove.cases import LEFT_TO_CHECK
+from pipemetrics.prove.families import FAMILIES, FAMILY_NAMES
+from pipemetrics.prove.prover import (
     Bound,
     BroadcastCase,
     Case,
@@ -29,10 +33,8 @@ from pipemetrics.properties.prove import (
     prove,
     shard_of,
 )
-from pipemetrics.properties.prove_families import FAMILIES, FAMILY_NAMES
-from pipemetrics.properties.strategies import DTYPES, every_rank_records_every_name
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.target import API_FUNCTIONS
+from pipemetrics.sim.model.target import API_FUNCTIONS
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .broken.mutants import REFERENCE_PATH as REFERENCE
 from .broken.mutants import write_combined
@@ -234,3 +236,15 @@ def test_docs_prove_describes_every_family() -> None:
     """docs/prove.md is where a user reads the abstraction: every family has its row."""
     text = (Path(__file__).resolve().parents[1] / "docs" / "prove.md").read_text()
     assert [name for name in FAMILY_NAMES if f"| `{name}` |" not in text] == []
+
+
+def test_every_catalogue_property_is_judged_by_a_case_or_left_to_check_with_a_reason() -> None:
+    """A property added to the catalogue is judged by prove's cases of its function (the case
+    lists derive from the catalogue), unless `LEFT_TO_CHECK` says why not: prove is never
+    silently weaker than check. The strict profile's cases, every function defined (1 s)."""
+    bound = Bound(profile="strict")
+    functions = frozenset(p.function for p in CATALOGUE)
+    judged = {p for case in enumerate_cases(bound) for p in case.properties(bound, functions)}
+    assert set(LEFT_TO_CHECK) <= set(PROPERTY_IDS)
+    assert not judged & set(LEFT_TO_CHECK)
+    assert judged | set(LEFT_TO_CHECK) == set(PROPERTY_IDS)

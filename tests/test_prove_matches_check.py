@@ -23,11 +23,11 @@ import pytest
 
 from pipemetrics.commands.replay import replay_main
 from pipemetrics.properties.catalogue import BY_ID
-from pipemetrics.properties.prove import Bound, prove
-from pipemetrics.properties.prove_families import FAMILIES, enumerate_cases
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
-from pipemetrics.sim.pool import Tier, WorldPool
-from pipemetrics.sim.target import API_FUNCTIONS
+from pipemetrics.prove.families import FAMILIES, enumerate_cases
+from pipemetrics.prove.prover import Bound, prove
+from pipemetrics.sim.model.target import API_FUNCTIONS
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.pool import Tier, WorldPool
 
 from .broken.mutants import MUTANTS, write_mutant
 from .test_properties_mutants import mutant_param

@@ -14,8 +14,8 @@ import pytest
 
 from pipemetrics.commands.prove_ray import RayRunError, prove_on_ray, run_shard
 from pipemetrics.commands.replay import replay_main
-from pipemetrics.properties.prove import Bound, enumerate_cases, target_sha256
-from pipemetrics.sim.inprocess_world import inprocess_unsupported
+from pipemetrics.prove.prover import Bound, enumerate_cases, target_sha256
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded

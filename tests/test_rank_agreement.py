@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.properties.catalogue import BY_ID
-from pipemetrics.sim.calls import MoeCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.records import MoeRecord, StepRecords
-from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.model.calls import MoeCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import MoeRecord, StepRecords
+from pipemetrics.sim.model.scenario import Scenario, Step
 
 from .conftest import TrackingPool
 

@@ -16,17 +16,17 @@ from hypothesis import strategies as st
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import (
     ExplicitSplit,
     ModelLayout,
     Setup,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import TrackerSnapshot
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.records import TrackerSnapshot
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .conftest import TrackingPool
 

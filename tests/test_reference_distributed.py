@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.sim.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
-from pipemetrics.sim.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import MtpRecord, StepRecords
-from pipemetrics.sim.records import router_record as moe
-from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.model.calls import BroadcastCall, BufferSpec, MoeCall, MtpCall
+from pipemetrics.sim.model.layout import ExplicitSplit, ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import MtpRecord, StepRecords
+from pipemetrics.sim.model.records import router_record as moe
+from pipemetrics.sim.model.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .conftest import TrackingPool
 

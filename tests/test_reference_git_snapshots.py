@@ -388,7 +388,7 @@ def _record_step(rank: int, step: int, per_token: bool, group: Any) -> None:
     microbatch and MTP layer, ``save_loss_to_tracker(loss_sum, num_tokens, ...)`` with the
     counts only where acceptance is collected. Token counts differ between ranks and
     microbatches (one is 0), so a per-token mean differs from a mean of means."""
-    from pipemetrics.sim.trackers import cpu_current_device
+    from pipemetrics.sim.megatron.trackers import cpu_current_device
 
     helper = MTPLossLoggingHelper
     with cpu_current_device():
@@ -421,7 +421,7 @@ def _seed_key(tag: str) -> str | None:
 def _dev_worker(rank: int, args: Any) -> list[tuple[Any, list[dict[str, float]], list[Any]]]:
     import torch.distributed as dist
 
-    from pipemetrics.sim.builtin_megatron_core import ScalarCollector
+    from pipemetrics.sim.megatron.builtin_megatron_core import ScalarCollector
 
     group = dist.new_group([0, 1])
     helper = MTPLossLoggingHelper

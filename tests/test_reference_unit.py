@@ -31,8 +31,8 @@ from pipemetrics.reference import (
 )
 from pipemetrics.reference import megatron_common as mc
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import MoeRecord
-from pipemetrics.sim.trackers import apply_moe_records
+from pipemetrics.sim.megatron.trackers import apply_moe_records
+from pipemetrics.sim.model.records import MoeRecord
 
 from .conftest import set_mtp_tracker
 
@@ -636,7 +636,7 @@ def test_mtp_megatron_018_layout_reports_loss_only_and_cleans() -> None:
 
 def test_mtp_metrics_through_the_installed_helper() -> None:
     # Filled with whatever save method the installed megatron-core has (0.19: with counts).
-    from pipemetrics.sim.trackers import cpu_current_device, save_mtp
+    from pipemetrics.sim.megatron.trackers import cpu_current_device, save_mtp
 
     with cpu_current_device():
         save_mtp(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(4.0), 0, 1)

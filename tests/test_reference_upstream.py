@@ -27,7 +27,7 @@ from pipemetrics.reference import megatron_common as mc
 from pipemetrics.reference.megatron_common import get_moe_metrics, get_mtp_metrics
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
-from pipemetrics.sim.trackers import cpu_current_device, save_mtp, save_mtp_per_token
+from pipemetrics.sim.megatron.trackers import cpu_current_device, save_mtp, save_mtp_per_token
 
 pytestmark = pytest.mark.usefixtures("fresh_trackers")
 

@@ -20,19 +20,19 @@ import pytest
 import torch
 
 from pipemetrics.properties.judges import whole_run
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.oracle import (
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import EntrySnapshot, MtpRecord, RankPlace, StepRecords
+from pipemetrics.sim.model.records import router_record as moe
+from pipemetrics.sim.model.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
+from pipemetrics.sim.results.oracle import (
     NameReduction,
     moe_metrics_under,
     reduced_moe_vectors,
     snapshot_dp_rule,
 )
-from pipemetrics.sim.records import EntrySnapshot, MtpRecord, RankPlace, StepRecords
-from pipemetrics.sim.records import router_record as moe
-from pipemetrics.sim.scenario import DEFAULT_TARGET, CallSpec, Scenario, Step
-from pipemetrics.sim.world import WorldRun
+from pipemetrics.sim.worlds.world import WorldRun
 
 from .conftest import TrackingPool
 

@@ -25,11 +25,6 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
 from pipemetrics.reference import megatron_common
-from pipemetrics.sim.layout import (
-    ModelLayout,
-    Setup,
-    WorldSpec,
-)
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_acceptance_switch,
@@ -37,17 +32,22 @@ from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_per_token_loss,
     installed_z_loss_nan_at_zero_coeff,
 )
-from pipemetrics.sim.records import recorded_reduction
-from pipemetrics.sim.router_fill import (
+from pipemetrics.sim.megatron.router_fill import (
     RouterStage,
     mtp_loss_avg_group,
     unsupported_routing,
 )
-from pipemetrics.sim.trackers import (
+from pipemetrics.sim.megatron.trackers import (
     cpu_current_device,
     moe_tracker_entries,
     reset_trackers,
 )
+from pipemetrics.sim.model.layout import (
+    ModelLayout,
+    Setup,
+    WorldSpec,
+)
+from pipemetrics.sim.model.records import recorded_reduction
 
 #: The installed release as (major, minor). The router code detects features; these tests state
 #: what each release's router records (docs/megatron-core-releases.md §2.2, §2.3, §3), so they

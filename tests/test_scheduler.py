@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.sim import inprocess_world, scheduler, world
-from pipemetrics.sim.calls import MoeCall
-from pipemetrics.sim.inprocess_world import InProcessWorld, inprocess_unsupported
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.protocol import CallError, Done, RunMode, Task
-from pipemetrics.sim.records import RankPlace
-from pipemetrics.sim.scenario import Scenario, Step
-from pipemetrics.sim.scheduler import Event, Finished, run_task
-from pipemetrics.sim.topology import places_for
-from pipemetrics.sim.world import World
+from pipemetrics.sim.collectives import scheduler
+from pipemetrics.sim.collectives.protocol import CallError, Done, RunMode, Task
+from pipemetrics.sim.collectives.scheduler import Event, Finished, run_task
+from pipemetrics.sim.model.calls import MoeCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import RankPlace
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.worlds import inprocess_world, world
+from pipemetrics.sim.worlds.inprocess_world import InProcessWorld, inprocess_unsupported
+from pipemetrics.sim.worlds.world import World
 
 from .conftest import TrackingPool
 
@@ -152,7 +153,7 @@ def test_the_unwind_grace_is_the_schedulers_alone(
     scheduler's (with no grace, ranks stopped by a mismatch cannot unwind in time: the world
     is dirty; with the default it is reused)."""
     assert scheduler.UNWIND_GRACE_S > 0
-    from pipemetrics.sim import inprocess
+    from pipemetrics.sim.worlds import inprocess
 
     for module in (world, inprocess_world, inprocess):
         assert "UNWIND_GRACE_S" not in vars(module) or (

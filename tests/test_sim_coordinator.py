@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from pipemetrics.sim.coordinator import Coordinator
-from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.protocol import CollectiveCall
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.collectives.coordinator import Coordinator
+from pipemetrics.sim.collectives.protocol import CollectiveCall
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.model.topology import places_for
 
 PLACES = places_for(WorldSpec(pp=2, dp=2))
 PP_OF_0 = PLACES[0].groups["pp"]  # (0, 2)

@@ -19,18 +19,18 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import (
+from pipemetrics.sim.collectives.protocol import RunMode
+from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import (
     ExplicitSplit,
     ModelLayout,
     Setup,
     WorldSpec,
 )
-from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.protocol import RunMode
-from pipemetrics.sim.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
-from pipemetrics.sim.scenario import Scenario, Step, save_scenario
-from pipemetrics.sim.topology import places_for
+from pipemetrics.sim.model.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
+from pipemetrics.sim.model.scenario import Scenario, Step, save_scenario
+from pipemetrics.sim.model.topology import places_for
 
 from .conftest import (
     Bounds,
@@ -308,9 +308,9 @@ import signal, sys, time
 # Python keeps SIGINT ignored when it starts that way (a background job of a non-interactive
 # shell, some CI runners): this controller must see it whatever started the test run
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from pipemetrics.sim.layout import WorldSpec
+from pipemetrics.sim.model.layout import WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.world import World, _forkserver_directory
+from pipemetrics.sim.worlds.world import World, _forkserver_directory
 world = World(WorldSpec(pp=2)).start()
 print(" ".join(map(str, world.pids)), world.directory, *_forkserver_directory(), flush=True)
 time.sleep(600)
@@ -530,7 +530,7 @@ def test_a_fork_server_started_on_its_own_preloads_the_rank_code(bounds: Bounds)
     script = textwrap.dedent(
         """
         from multiprocessing import forkserver
-        from pipemetrics.sim.world import PRELOAD, start_forkserver, stop_forkserver
+        from pipemetrics.sim.worlds.world import PRELOAD, start_forkserver, stop_forkserver
         start_forkserver()
         pid = forkserver._forkserver._forkserver_pid
         with open(f"/proc/{pid}/cmdline", "rb") as handle:
@@ -550,8 +550,8 @@ def test_a_world_starts_after_the_fork_server_was_stopped(bounds: Bounds) -> Non
     stopping the fork server of this test process would take the module pool's worlds along."""
     script = textwrap.dedent(
         """
-        from pipemetrics.sim.layout import WorldSpec
-        from pipemetrics.sim.world import World, stop_forkserver
+        from pipemetrics.sim.model.layout import WorldSpec
+        from pipemetrics.sim.worlds.world import World, stop_forkserver
         for _ in range(2):
             with World(WorldSpec()) as world:
                 assert world.alive

@@ -23,10 +23,10 @@ from typing import TypedDict
 
 import pytest
 
-from pipemetrics.sim.layout import WorldSpec
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.records import recorded_reduction
-from pipemetrics.sim.trackers import moe_tracker_entries
+from pipemetrics.sim.megatron.trackers import moe_tracker_entries
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.model.records import recorded_reduction
 from pipemetrics.testing import (
     Stage,
     TwoStageError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipemetrics.sim.layout import WorldSpec
-from pipemetrics.sim.topology import GROUP_ROLES, coordinates, places_for, rank_of
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.model.topology import GROUP_ROLES, coordinates, places_for, rank_of
 
 
 def test_tp2_pp2_rank3() -> None:

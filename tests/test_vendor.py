@@ -23,9 +23,9 @@ from pipemetrics.properties import vendor as vendor_module
 from pipemetrics.properties.vendor import reference_path
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.reference import megatron_common as mc
-from pipemetrics.sim.calls import MoeCall, MtpCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.model.calls import MoeCall, MtpCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.scenario import Scenario, Step
 
 from .conftest import Bounds, TrackingPool, run_bounded
 

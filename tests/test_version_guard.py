@@ -169,13 +169,15 @@ def test_the_inprocess_tier_runs_only_where_it_is_validated(tmp_path: Path) -> N
     differential test against the process tier fails, instead of giving an outcome there; the
     decision is read from the installed files (checked here on the installed release and on a
     tree without ``moe_logging``), and ``prove`` says what to do instead."""
-    from pipemetrics.sim.inprocess_world import inprocess_unsupported
+    from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
     legacy_here = importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is None
     assert (inprocess_unsupported() is not None) == legacy_here
     (tmp_path / "megatron" / "core" / "transformer" / "moe").mkdir(parents=True)
     (tmp_path / "megatron" / "__init__.py").write_text("")
-    probe = "from pipemetrics.sim.inprocess_world import inprocess_unsupported as u; print(u())"
+    probe = (
+        "from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported as u; print(u())"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     legacy = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
                             text=True, timeout=120, check=True)  # fmt: skip

@@ -18,12 +18,12 @@ import pytest
 
 from pipemetrics.properties import judges
 from pipemetrics.properties.runview import as_made, call_views
-from pipemetrics.sim.calls import MoeCall
-from pipemetrics.sim.layout import ModelLayout, Setup, WorldSpec
-from pipemetrics.sim.protocol import CallReport, ComposedNames
-from pipemetrics.sim.rank import composed_names
-from pipemetrics.sim.records import TrackerSnapshot
-from pipemetrics.sim.scenario import Scenario, Step
+from pipemetrics.sim.collectives.protocol import CallReport, ComposedNames
+from pipemetrics.sim.model.calls import MoeCall
+from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
+from pipemetrics.sim.model.records import TrackerSnapshot
+from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.worlds.rank import composed_names
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds, TrackingPool

@@ -2,7 +2,8 @@
 
 Every release question is answered by feature, read from the installed source once per process
 (`installed_features`), the same in the controller and in a rank. See
-`pipemetrics.sim.mcore.features`.
+`pipemetrics.sim.mcore.features`. The routing table every part of pipemetrics derives its routing
+facts from is `pipemetrics.sim.mcore.routing`.
 """
 
 from pipemetrics.sim.mcore.features import (

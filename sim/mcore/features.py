@@ -21,6 +21,7 @@ from typing import Literal, NamedTuple, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from pipemetrics.sim.mcore.routing import route_of_type
 from pipemetrics.sim.mcore.source import (
     definition,
     has_module,
@@ -57,7 +58,7 @@ pipeline SUM, the ``reduce_group`` SUM and the ``avg_group`` AVG of every releas
 """
 
 MtpAvgRole = Literal["tp_cp", "dp_cp"]
-"""The group role (`pipemetrics.sim.records.RankPlace.groups`) of the MTP loss's ``avg_group``."""
+"""The group role (`pipemetrics.sim.model.records.RankPlace.groups`) of the MTP loss's ``avg_group``."""
 
 MTP_ON_THE_LAST_STAGE = "MTP layers must be in the last stage together with Loss stage."
 """The message of the rule megatron-core 0.15's ``validate_layer_layout`` enforces
@@ -86,9 +87,16 @@ class RouterRouting(NamedTuple):
         if not isinstance(types, str) and not self.type_lists:
             return "a list of load-balancing types needs TopKRouter.get_aux_loss_coeff"
         listed = [types] if isinstance(types, str) else list(types)
-        if "global_aux_loss" in listed and not self.global_aux_loss:
-            return "global_aux_loss needs TopKRouter._apply_global_aux_loss"
+        for routing_type in listed:
+            route = route_of_type(routing_type)
+            if route is not None and not self.runs(routing_type):
+                return f"{routing_type} needs {route.router_code}"
         return None
+
+    def runs(self, routing_type: str) -> bool:
+        """Whether the router runs ``routing_type`` (the feature its row of `ROUTES` needs)."""
+        route = route_of_type(routing_type)
+        return route is None or route.feature is None or bool(getattr(self, route.feature))
 
 
 class InstalledFeatures(BaseModel):

@@ -30,12 +30,12 @@ from pipemetrics.sim.mcore.mtp_tracker import (
     installed_mtp_layout,
     installed_z_loss_nan_at_zero_coeff,
 )
-from pipemetrics.sim.records import MoeRecord
-from pipemetrics.sim.trackers import (
+from pipemetrics.sim.megatron.trackers import (
     apply_moe_records,
     cpu_current_device,
     reset_trackers,
 )
+from pipemetrics.sim.model.records import MoeRecord
 
 from ..conftest import set_mtp_tracker
 from .mutants import (

@@ -1,7 +1,7 @@
 """The built-in ``megatron-core`` target with the smallest fix to megatron-core applied.
 
 A path target (``pipemetrics replay FILE --impl tests/megatron_core_findings/fixed_report.py``):
-the same adapter (`pipemetrics.sim.builtin_megatron_core`), but while ``get_moe_metrics`` runs,
+the same adapter (`pipemetrics.sim.megatron.builtin_megatron_core`), but while ``get_moe_metrics`` runs,
 the live tracker's ``ensure_initialized`` gives an entry it *creates* the groups megatron-core's
 ``TopKRouter`` records that name with, instead of ``MetricEntry``'s defaults (no reduce group,
 no avg group, DP average). That is the whole fix; as a change to megatron-core it reads::
@@ -34,7 +34,7 @@ from typing import Any
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker, get_moe_metrics_tracker
 
-from pipemetrics.sim import builtin_megatron_core as adapter
+from pipemetrics.sim.megatron import builtin_megatron_core as adapter
 
 FIXED_NAMES: tuple[str, ...] | None = None
 
