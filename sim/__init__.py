@@ -10,7 +10,7 @@ Public API::
         run = pool.run(scenario)          # WorldRun: outcome + what every rank did
         print(run.outcome.kind, run.outcome.message)
 
-See ARCHITECTURE.md for how a scenario flows through the simulator.
+See docs/internals/flow.md for how a scenario flows through the simulator.
 """
 
 from pipemetrics.sim.collectives.coordinator import Outcome

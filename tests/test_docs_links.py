@@ -1,5 +1,5 @@
-"""Every relative link in README.md and docs/ goes where it says: the file exists and, with an
-anchor, the file has a heading of that anchor (GitHub's slugs)."""
+"""Every relative link in README.md, ARCHITECTURE.md and docs/ goes where it says: the file
+exists and, with an anchor, the file has a heading of that anchor (GitHub's slugs)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "ARCHITECTURE.md", *(ROOT / "docs").rglob("*.md")])
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 

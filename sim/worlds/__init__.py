@@ -3,7 +3,8 @@ one host process), the pool that reuses them, and the rank side of both.
 
 Holds the rank process (`rank`), the entry points a controller starts (`entry`), the process
 tier's world (`world`), the in-process host (`inprocess`) and its controller side
-(`inprocess_world`), the pool (`pool`) and the target's probe (`probe`). The in-process tier
+(`inprocess_world`), the pool (`pool`), the target's probe (`probe`) and what the fork server imports first,
+its import-time warnings held back (`preload`, `quiet`). The in-process tier
 does not import back into the process tier: `world` reaches the hosts only through `entry`.
 
 May import: `pipemetrics.sim.collectives`, `pipemetrics.sim.megatron`, `pipemetrics.sim.model`,
