@@ -19,14 +19,12 @@ world, on every rank:
     python ci/device/gloo_cuda_ranks.py reference/megatron_common.py --dry-run  # CPU tensors
 
 Without CUDA (and without ``--dry-run``) it prints why and exits 0 having checked nothing.
-``--dry-run`` runs the same code on CPU tensors, so the logic is exercised anywhere
-(tests/test_device_script.py). Prints one line per check and ``N passed, N failed``; exits 1 on
-a failure.
+``--dry-run`` runs the same code on CPU tensors, so the logic is exercised anywhere (by hand:
+no test runs it). Prints one line per check and ``N passed, N failed``; exits 1 on a failure.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import os
 import sys
@@ -34,18 +32,12 @@ import tempfile
 import traceback
 from typing import Any
 
+from common import load, report  # ci/device/common.py, beside this script
+
 WORLDS = ((2, 1), (2, 2))
 """(pp, dp) of each world: 2 and 4 ranks."""
 TIMEOUT_S = 120.0
 """Bound on one world (start, every check, teardown)."""
-
-
-def load(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("reference_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def moe_step(reference: Any, ps: Any, device: str) -> dict[str, float]:
@@ -220,13 +212,7 @@ def main(argv: list[str]) -> int:
     results = []
     for pp, dp in WORLDS:
         results += run_world(pp, dp, path, dry_run)
-    for name, error in results:
-        print(("PASS " if error is None else "FAIL ") + name)
-        if error:
-            print(error)
-    failed = sum(error is not None for _, error in results)
-    print(f"{len(results) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    return report(results)
 
 
 if __name__ == "__main__":

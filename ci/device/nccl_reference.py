@@ -17,7 +17,6 @@ Prints one line per check and ``N passed, N failed``; exits 1 on a failure.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import tempfile
@@ -27,14 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def load(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("reference_under_test", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from common import load, report  # ci/device/common.py, beside this script
 
 
 def fill_moe(ps: Any) -> None:
@@ -172,13 +164,7 @@ def main() -> int:
     results = []
     for backend in ("nccl", "cpu:gloo,cuda:nccl"):
         results += run(reference, backend)
-    for name, error in results:
-        print(("PASS " if error is None else "FAIL ") + name)
-        if error:
-            print(error)
-    failed = sum(error is not None for _, error in results)
-    print(f"{len(results) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    return report(results)
 
 
 if __name__ == "__main__":
