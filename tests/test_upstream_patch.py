@@ -246,8 +246,7 @@ def test_a_finding_shows_on_the_released_copy(
     code, data = _replay(copies, copies.released, finding, bounds)
     assert code == 1 and not data["passed"], data["problems"]
     assert data["problems"]
-    for line in data["problems"]:
-        assert re.fullmatch(finding.problem, line), line
+    finding.assert_problems(data["problems"])
     assert _values(data, finding.names[0]) == pytest.approx(finding.values)
 
 
