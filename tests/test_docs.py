@@ -14,7 +14,8 @@ outlive the snippet. Each snippet runs in a subprocess under a hard deadline:
   ``test_`` functions is a test module and runs under pytest, which must pass it.
 
 A snippet that cannot run here is skipped by name in `SKIPPED`, with the reason: an excerpt, or
-too costly for CI (what it costs), or what it needs that CI lacks. `SETUP` prepares what a
+too costly for CI (what it costs), or what it needs that CI lacks; the ``pipemetrics`` commands
+of a skipped shell snippet are still parsed by the command's parser. `SETUP` prepares what a
 snippet's text says it runs against. Both are held to the docs: every entry must name exactly
 one snippet, so neither list can rot.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -33,6 +35,8 @@ import pytest
 from sybil import Example, Sybil
 from sybil.example import SybilFailure
 from sybil.parsers.markdown import CodeBlockParser
+
+from pipemetrics.commands.parser import build_parser
 
 from .conftest import assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -287,6 +291,38 @@ def test_every_fenced_block_is_run_or_not_code() -> None:
             if lang and lang not in (*LANGUAGES, *NOT_RUN)
         ]
     assert not found, f"blocks neither run nor declared not code: {found}"
+
+
+def pipemetrics_commands(source: str) -> list[list[str]]:
+    """The arguments of every ``pipemetrics`` command in a shell snippet (line continuations
+    joined, comments dropped, split at line ends, ``&&``, ``||`` and ``;``)."""
+    commands: list[list[str]] = []
+    for line in source.replace("\\\n", " ").splitlines():
+        commands.append([])
+        for word in shlex.split(line, comments=True):
+            if word in ("&&", "||", ";"):
+                commands.append([])
+            else:
+                commands[-1].append(word)
+    return [c[1:] for c in commands if c and Path(c[0]).name == "pipemetrics"]
+
+
+def test_skipped_pipemetrics_commands_parse() -> None:
+    """A shell snippet too costly to run still names only options that exist: each of its
+    ``pipemetrics`` commands is parsed by the command's own parser."""
+    parsed = 0
+    for example in ALL:
+        if example.region.lexemes["arguments"] in SHELLS and entry_for(SKIPPED, example):
+            for argv in pipemetrics_commands(example.parsed):
+                try:
+                    build_parser().parse_args(argv)
+                except SystemExit as exit:
+                    pytest.fail(f"{snippet_id(example)}: pipemetrics {shlex.join(argv)}: {exit}")
+                parsed += 1
+    assert parsed >= 5
+    (wrong,) = pipemetrics_commands("true && pipemetrics check \\\n  --no-such-option  # a comment")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(wrong)
 
 
 def test_the_issue_quotes_repro_py() -> None:
