@@ -16,8 +16,9 @@ outlive the snippet. Each snippet runs in a subprocess under a hard deadline:
 A snippet that cannot run here is skipped by name in `SKIPPED`, with the reason: an excerpt, or
 too costly for CI (what it costs), or what it needs that CI lacks; the ``pipemetrics`` commands
 of a skipped shell snippet are still parsed by the command's parser. `SETUP` prepares what a
-snippet's text says it runs against. Both are held to the docs: every entry must name exactly
-one snippet, so neither list can rot.
+snippet's text says it runs against, and `NEEDS` skips a snippet under a megatron-core release
+without what it needs. All three are held to the docs: every entry must name exactly one
+snippet, so no list can rot.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from sybil.example import SybilFailure
 from sybil.parsers.markdown import CodeBlockParser
 
 from pipemetrics.commands.parser import build_parser
+from pipemetrics.sim.mcore import installed_features
 
 from .conftest import assert_no_leftovers, private_tmpdir, run_bounded
 
@@ -141,6 +143,22 @@ def vendored_toytrainer(checkout: Path) -> None:
     assert done.returncode == 0, done.stdout
 
 
+def has_report() -> bool:
+    return installed_features().class_tracker
+
+
+_FINDINGS = (
+    has_report,
+    "the findings are in MoEMetricsTracker.report() (megatron-core 0.18+), the built-in target "
+    "megatron-core's path; the installed megatron-core has no moe_logging",
+)
+#: (page, a substring of the snippet) -> (what it needs of the installed megatron-core, and why):
+#: the snippet is skipped under a release without it.
+NEEDS: dict[tuple[str, str], tuple[Callable[[], bool], str]] = {
+    ("docs/findings.md", "global_aux_loss_dense_stage.json   # exit 1"): _FINDINGS,
+    ("docs/findings.md", "--impl tests/megatron_core_findings/fixed_report.py"): _FINDINGS,
+}
+
 #: (page, a substring of the snippet) -> what prepares the checkout before the snippet runs.
 SETUP: dict[tuple[str, str], Callable[[Path], None]] = {
     ("docs/migration.md", "from toytrainer.megatron import metrics"): vendored_toytrainer,
@@ -188,9 +206,10 @@ def run_python(example: Example) -> str | None:
     """A Python snippet's evaluator: a script (compiled with the page's name and line numbers), or
     a test module under pytest when it defines ``test_`` functions."""
     checkout: Path = example.namespace["checkout"]
-    file = checkout / f"test_snippet_line_{example.line}.py"
+    is_tests = re.search(r"^def test_", example.parsed, re.M) is not None
+    file = checkout / f"{'test_' if is_tests else ''}snippet_line_{example.line}.py"
     file.write_text(example.parsed, encoding="utf-8")
-    if re.search(r"^def test_", example.parsed, re.M):
+    if is_tests:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", file.name]
     else:
         command = [sys.executable, "-c", SCRIPT, example.path, str(example.line), str(file)]
@@ -260,13 +279,16 @@ def test_snippet_runs(example: Example, checkout: Path) -> None:
     reason = entry_for(SKIPPED, example)
     if reason is not None:
         pytest.skip(reason)
+    needs = entry_for(NEEDS, example)
+    if needs is not None and not needs[0]():
+        pytest.skip(needs[1])
     setup = entry_for(SETUP, example)
     if setup is not None:
         setup(checkout)
     evaluate(example, checkout)
 
 
-@pytest.mark.parametrize("table", [SKIPPED, SETUP], ids=["SKIPPED", "SETUP"])
+@pytest.mark.parametrize("table", [SKIPPED, NEEDS, SETUP], ids=["SKIPPED", "NEEDS", "SETUP"])
 def test_every_entry_names_one_snippet(table: dict[tuple[str, str], object]) -> None:
     pages = {str(page.relative_to(ROOT)) for page in PAGES}
     for page, text in table:
