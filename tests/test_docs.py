@@ -65,8 +65,8 @@ SKIPPED: dict[tuple[str, str], str] = {
         "3 min) and the whole test suite (20+ min); it is what .ci/run runs"
     ),
     ("README.md", "pip install ."): (
-        "builds and installs a wheel into the environment the suite runs in; CI installs the "
-        "same way through ci/bootstrap.sh"
+        "builds and installs a wheel into the environment the suite runs in; CI installs "
+        "pipemetrics through ci/bootstrap.sh (the editable variant)"
     ),
     ("README.md", "pipemetrics check --impl path/to/your/common.py"): (
         f"{_WHOLE_CHECK[:-1]}; path/to/your/common.py stands for the reader's file)"
@@ -112,7 +112,7 @@ SKIPPED: dict[tuple[str, str], str] = {
     ),
     ("docs/releases.md", "python ci/device/gloo_cuda_ranks.py"): (
         "needs a GPU (without one its first line prints SKIP and exits 0), and its --dry-run "
-        "is too costly for CI: 4-rank worlds for about 50 s"
+        "is too costly for CI: 2- and 4-rank worlds for about 50 s"
     ),
     ("docs/upstream/README.md", "cd Megatron-LM && git apply"): (
         "needs a Megatron-LM checkout and writes /tmp/mc; tests/test_upstream_patch.py applies "
