@@ -28,7 +28,6 @@ from typing import Any
 
 from pipemetrics.commands.argv import child_command
 from pipemetrics.commands.options import (
-    CHECK_TIER,
     add_json_out,
     add_list,
     add_load_timeout,
@@ -53,6 +52,8 @@ from pipemetrics.properties.engine import (
     RunOptions,
     run_property,
 )
+from pipemetrics.properties.referee import Referee
+from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
     conformant,
     print_coverage,
@@ -64,6 +65,7 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
 from pipemetrics.sim.model.target import TargetLoadError, resolve_target
 from pipemetrics.sim.worlds.pool import WorldPool
@@ -171,8 +173,13 @@ def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
 def _run_here(
     todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
 ) -> list[PropertyResult]:
+    """Run ``todo`` in this process; on the in-process tier, the referee judges a sample of
+    its scenarios on the process tier afterwards (`pipemetrics.properties.referee`)."""
     results = []
     max_ranks = options.effort.max_ranks
+    referee = Referee() if options.tier == "inprocess" else None
+    if referee is not None:
+        options = replace(options, observe=referee.offer)
     with (
         WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
@@ -185,7 +192,30 @@ def _run_here(
             )
             results.append(result)
             _err(_outcome_line(i, total, result))
+        if referee is not None:
+            pool.close()  # its host processes are done; the process tier gets the cores
+            _referee(referee, confirm_pool, options.report_dir, results)
     return results
+
+
+def _referee(
+    referee: Referee, process_pool: WorldPool, report_dir: Path, results: list[PropertyResult]
+) -> None:
+    """Judge the referee's sample on the process tier; a disagreement becomes an error."""
+    began = time.monotonic()
+    verdict = referee.judge(process_pool, report_dir, progress=_err)
+    apply_disagreements(verdict.disagreements, results)
+    found = (
+        f"{len(verdict.disagreements)} disagreement(s), reported as pipemetrics faults"
+        if verdict.disagreements
+        else "the tiers agree"
+    )
+    _err(
+        f"referee: {verdict.scenarios} scenario(s) of the in-process tier run again on the "
+        f"process tier, {time.monotonic() - began:.1f} s ({', '.join(verdict.strata)}): {found}"
+    )
+    for note in verdict.notes:
+        _err(f"warning: referee: {note}")
 
 
 def _progress_for(head: str) -> Callable[[str], None]:
@@ -266,15 +296,19 @@ def _properties_text(properties: list[Property]) -> str:
     )
 
 
-def _announce(target: str, args: argparse.Namespace, selection: Selection, effort: str) -> None:
-    """The first lines of a check: what is checked, against which megatron-core and torch."""
+def _announce(
+    target: str, args: argparse.Namespace, selection: Selection, effort: str, fallback: str | None
+) -> None:
+    """The first lines of a check: what is checked, against which megatron-core and torch, on
+    which tier (and why not the in-process tier, where it fell back)."""
     _err(
         f"pipemetrics check: {target}, {args.profile} profile: "
         f"{_properties_text(selection.properties)}"
     )
+    tier = f"{args.tier} tier" + (f" ({fallback})" if fallback else "")
     _err(
         f"  against megatron-core {installed_version('megatron-core')}, torch "
-        f"{installed_version('torch')}; {effort} Hypothesis profile, {args.tier} tier"
+        f"{installed_version('torch')}; {effort} Hypothesis profile, {tier}"
     )
     _err("  loading the target (-v shows what importing torch and megatron-core prints) ...")
 
@@ -292,17 +326,11 @@ def run_check(args: argparse.Namespace) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         _err("pipemetrics check: --max-examples must be >= 1")
         return EXIT_USAGE
-    if args.tier == "inprocess":
-        from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
-
-        unsupported = inprocess_unsupported()
-        if unsupported is not None:
-            _err(f"pipemetrics check: --tier inprocess: {unsupported}; use --tier process")
-            return EXIT_USAGE
+    args.tier, fallback = check_tier(args.tier)
     target = resolve_target(args.impl)
     args.impl = target
     if not args.worker_json:
-        _announce(target, args, selection, effort.name)
+        _announce(target, args, selection, effort.name, fallback)
     try:
         provided = set(require_api(target, probe_target(target, args.load_timeout)))
     except TargetLoadError as exc:
