@@ -5,9 +5,10 @@
 errors. Progress goes to stderr, one line per property; the table, the failure write-ups (with
 the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
 command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
-the same report to files. ``-n WORKERS`` splits the properties over worker processes, each
-running this same command on its share with its own world pool, started with every option of
-this run (`pipemetrics.commands.argv.child_command`).
+the same report to files. ``-n WORKERS`` (default ``auto``, `pipemetrics.commands.workers`)
+splits the properties over worker processes, each running this same command on its share with
+its own world pool, started with every option of this run
+(`pipemetrics.commands.argv.child_command`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pipemetrics.commands.options import (
     add_verbose,
 )
 from pipemetrics.commands.subcommand import Subcommand
+from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import (
@@ -101,13 +103,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "picture, the counterexample and the replay command), e.g. for a CI job summary",
     )
     parser.add_argument(
-        "-n",
-        "--workers",
-        type=int,
-        default=1,
-        metavar="WORKERS",
-        help="run properties in this many worker processes",
-    )
+        "-n", "--workers", type=workers_value, default=AUTO, metavar="WORKERS",
+        help="run properties in this many worker processes: auto (default) one per usable "
+        "core, never more than the cores, and on the process tier few enough that the ranks "
+        "of the largest world fit the cores (docs/cli.md)",
+    )  # fmt: skip
     parser.add_argument("--hypothesis-profile", choices=EFFORT_NAMES, default=DEFAULT_EFFORT)
     parser.add_argument("--skip", default=None, metavar="FILE", help="property IDs not to run")
     parser.add_argument(
@@ -233,7 +233,7 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
 
 
 def _run_workers(
-    args: argparse.Namespace, todo: list[Property], coverage: Coverage
+    args: argparse.Namespace, todo: list[Property], coverage: Coverage, workers: int
 ) -> list[PropertyResult]:
     """Split ``todo`` round-robin over worker processes and merge their results.
 
@@ -241,7 +241,6 @@ def _run_workers(
     this returns or is interrupted; a worker that ends without results turns its properties
     into errors (its exit code is never passed on).
     """
-    workers = max(1, min(args.workers, len(todo)))
     shares = [todo[i::workers] for i in range(workers)]
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
@@ -363,9 +362,16 @@ def run_check(args: argparse.Namespace) -> int:
             todo.append(prop)
     coverage = Coverage(effort.classes)
     began = time.monotonic()
-    _err(f"{len(todo)} properties to run, {len(results)} absent or skipped")
-    if args.workers > 1 and len(todo) > 1:
-        ran = _run_workers(args, todo, coverage)
+    workers, why = worker_count(
+        args.workers, tier=args.tier, effort=effort, properties=len(todo), cores=usable_cores()
+    )
+    if not args.worker_json:
+        _err(
+            f"{len(todo)} properties to run, {len(results)} absent or skipped; "
+            f"{workers} worker(s) ({why})"
+        )
+    if workers > 1:
+        ran = _run_workers(args, todo, coverage, workers)
     else:
         ran = _run_here(todo, options, coverage, len(todo), 0)
     for result in ran:
