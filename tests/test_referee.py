@@ -19,7 +19,8 @@ from .conftest import Bounds
 from .test_properties_runner import check_here
 
 DIVERGENT = Path(__file__).with_name("divergent_sum_target.py")
-RUN = ("--hypothesis-profile", "dev", "--max-examples", "10", "--seed", "0")
+RUN = ("--hypothesis-profile", "dev", "--max-examples", "10", "--seed", "0", "-n", "1")
+"""One worker: the referee's lines are then written by this process (`check_here` reads them)."""
 
 NEEDS_INPROCESS = pytest.mark.skipif(
     inprocess_unsupported() is not None,
