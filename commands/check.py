@@ -5,9 +5,10 @@
 errors. Progress goes to stderr, one line per property; the table, the failure write-ups (with
 the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
 command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
-the same report to files. ``-n WORKERS`` splits the properties over worker processes, each
-running this same command on its share with its own world pool, started with every option of
-this run (`pipemetrics.commands.argv.child_command`).
+the same report to files. ``-n WORKERS`` (default ``auto``, `pipemetrics.commands.workers`)
+splits the properties over worker processes, each running this same command on its share with
+its own world pool, started with every option of this run
+(`pipemetrics.commands.argv.child_command`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 
 from pipemetrics.commands.argv import child_command
 from pipemetrics.commands.options import (
-    CHECK_TIER,
     add_json_out,
     add_list,
     add_load_timeout,
@@ -39,6 +39,7 @@ from pipemetrics.commands.options import (
     add_verbose,
 )
 from pipemetrics.commands.subcommand import Subcommand
+from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import (
@@ -53,6 +54,8 @@ from pipemetrics.properties.engine import (
     RunOptions,
     run_property,
 )
+from pipemetrics.properties.referee import Referee
+from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
     conformant,
     print_coverage,
@@ -64,6 +67,7 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
 from pipemetrics.sim.model.target import TargetLoadError, resolve_target
 from pipemetrics.sim.worlds.pool import WorldPool
@@ -99,13 +103,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "picture, the counterexample and the replay command), e.g. for a CI job summary",
     )
     parser.add_argument(
-        "-n",
-        "--workers",
-        type=int,
-        default=1,
-        metavar="WORKERS",
-        help="run properties in this many worker processes",
-    )
+        "-n", "--workers", type=workers_value, default=AUTO, metavar="WORKERS",
+        help="run properties in this many worker processes: auto (default) one per usable "
+        "core, never more than the cores, and on the process tier few enough that the ranks "
+        "of the largest world fit the cores (docs/cli.md)",
+    )  # fmt: skip
     parser.add_argument("--hypothesis-profile", choices=EFFORT_NAMES, default=DEFAULT_EFFORT)
     parser.add_argument("--skip", default=None, metavar="FILE", help="property IDs not to run")
     parser.add_argument(
@@ -171,8 +173,13 @@ def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
 def _run_here(
     todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
 ) -> list[PropertyResult]:
+    """Run ``todo`` in this process; on the in-process tier, the referee judges a sample of
+    its scenarios on the process tier afterwards (`pipemetrics.properties.referee`)."""
     results = []
     max_ranks = options.effort.max_ranks
+    referee = Referee() if options.tier == "inprocess" else None
+    if referee is not None:
+        options = replace(options, observe=referee.offer)
     with (
         WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
@@ -185,7 +192,30 @@ def _run_here(
             )
             results.append(result)
             _err(_outcome_line(i, total, result))
+        if referee is not None:
+            pool.close()  # its host processes are done; the process tier gets the cores
+            _referee(referee, confirm_pool, options.report_dir, results)
     return results
+
+
+def _referee(
+    referee: Referee, process_pool: WorldPool, report_dir: Path, results: list[PropertyResult]
+) -> None:
+    """Judge the referee's sample on the process tier; a disagreement becomes an error."""
+    began = time.monotonic()
+    verdict = referee.judge(process_pool, report_dir, progress=_err)
+    apply_disagreements(verdict.disagreements, results)
+    found = (
+        f"{len(verdict.disagreements)} disagreement(s), reported as pipemetrics faults"
+        if verdict.disagreements
+        else "the tiers agree"
+    )
+    _err(
+        f"referee: {verdict.scenarios} scenario(s) of the in-process tier run again on the "
+        f"process tier, {time.monotonic() - began:.1f} s ({', '.join(verdict.strata)}): {found}"
+    )
+    for note in verdict.notes:
+        _err(f"warning: referee: {note}")
 
 
 def _progress_for(head: str) -> Callable[[str], None]:
@@ -203,7 +233,7 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
 
 
 def _run_workers(
-    args: argparse.Namespace, todo: list[Property], coverage: Coverage
+    args: argparse.Namespace, todo: list[Property], coverage: Coverage, workers: int
 ) -> list[PropertyResult]:
     """Split ``todo`` round-robin over worker processes and merge their results.
 
@@ -211,7 +241,6 @@ def _run_workers(
     this returns or is interrupted; a worker that ends without results turns its properties
     into errors (its exit code is never passed on).
     """
-    workers = max(1, min(args.workers, len(todo)))
     shares = [todo[i::workers] for i in range(workers)]
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
@@ -266,15 +295,19 @@ def _properties_text(properties: list[Property]) -> str:
     )
 
 
-def _announce(target: str, args: argparse.Namespace, selection: Selection, effort: str) -> None:
-    """The first lines of a check: what is checked, against which megatron-core and torch."""
+def _announce(
+    target: str, args: argparse.Namespace, selection: Selection, effort: str, fallback: str | None
+) -> None:
+    """The first lines of a check: what is checked, against which megatron-core and torch, on
+    which tier (and why not the in-process tier, where it fell back)."""
     _err(
         f"pipemetrics check: {target}, {args.profile} profile: "
         f"{_properties_text(selection.properties)}"
     )
+    tier = f"{args.tier} tier" + (f" ({fallback})" if fallback else "")
     _err(
         f"  against megatron-core {installed_version('megatron-core')}, torch "
-        f"{installed_version('torch')}; {effort} Hypothesis profile, {args.tier} tier"
+        f"{installed_version('torch')}; {effort} Hypothesis profile, {tier}"
     )
     _err("  loading the target (-v shows what importing torch and megatron-core prints) ...")
 
@@ -292,17 +325,11 @@ def run_check(args: argparse.Namespace) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         _err("pipemetrics check: --max-examples must be >= 1")
         return EXIT_USAGE
-    if args.tier == "inprocess":
-        from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
-
-        unsupported = inprocess_unsupported()
-        if unsupported is not None:
-            _err(f"pipemetrics check: --tier inprocess: {unsupported}; use --tier process")
-            return EXIT_USAGE
+    args.tier, fallback = check_tier(args.tier)
     target = resolve_target(args.impl)
     args.impl = target
     if not args.worker_json:
-        _announce(target, args, selection, effort.name)
+        _announce(target, args, selection, effort.name, fallback)
     try:
         provided = set(require_api(target, probe_target(target, args.load_timeout)))
     except TargetLoadError as exc:
@@ -335,9 +362,16 @@ def run_check(args: argparse.Namespace) -> int:
             todo.append(prop)
     coverage = Coverage(effort.classes)
     began = time.monotonic()
-    _err(f"{len(todo)} properties to run, {len(results)} absent or skipped")
-    if args.workers > 1 and len(todo) > 1:
-        ran = _run_workers(args, todo, coverage)
+    workers, why = worker_count(
+        args.workers, tier=args.tier, effort=effort, properties=len(todo), cores=usable_cores()
+    )
+    if not args.worker_json:
+        _err(
+            f"{len(todo)} properties to run, {len(results)} absent or skipped; "
+            f"{workers} worker(s) ({why})"
+        )
+    if workers > 1:
+        ran = _run_workers(args, todo, coverage, workers)
     else:
         ran = _run_here(todo, options, coverage, len(todo), 0)
     for result in ran:

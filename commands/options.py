@@ -1,7 +1,8 @@
 """Command-line options shared by more than one command, each declared once here.
 
 What differs between commands is a parameter, stated where the command declares the option:
-``--tier``'s default (`CHECK_TIER`, `PROVE_TIER`, each with its reason), what ``--json`` writes,
+``--tier``'s default (`CHECK_TIER`, defined in `pipemetrics.properties.tier` with the pytest
+plugin's, and `PROVE_TIER`, each with its reason), what ``--json`` writes,
 what ``--impl`` replaces when it is optional.
 """
 
@@ -14,10 +15,6 @@ from pipemetrics.sim.model.scenario import DEFAULT_TARGET
 from pipemetrics.sim.worlds.pool import TIERS, Tier
 from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S
 
-CHECK_TIER: Tier = "process"
-"""``check`` runs on the process tier by default: the worlds are the real thing (one OS process
-per rank, real gloo), and Hypothesis' examples are few enough that the start of a world per
-shape is paid once per pool."""
 PROVE_TIER: Tier = "inprocess"
 """``prove`` runs on the in-process tier by default: it runs every case of the bound (thousands),
 and a failing case's scenario file replays on the process tier (``pipemetrics replay``)."""

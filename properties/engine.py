@@ -35,7 +35,7 @@ from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
 from pipemetrics.sim.model.scenario import Scenario, replay_command, save_scenario
 from pipemetrics.sim.results.summary import layout_picture, what_ranks_did
 from pipemetrics.sim.worlds.pool import Tier, WorldPool
-from pipemetrics.sim.worlds.world import WorldStartError
+from pipemetrics.sim.worlds.world import WorldRun, WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
 MAX_PROBLEM_LINES = 12
@@ -110,6 +110,8 @@ class RunOptions:
     """Told (one line) when a property first fails and shrinking begins."""
     tier: Tier = "process"
     """Where examples run; a failure found in-process is confirmed on the process tier."""
+    observe: Callable[[Scenario, WorldRun], None] | None = None
+    """Shown every scenario run and its run (check's referee samples the in-process runs)."""
 
 
 class PropertyFailed(AssertionError):
@@ -204,6 +206,8 @@ def _example_runner(
         except WorldStartError as exc:
             raise HarnessFault(f"could not start a world: {exc}") from exc
         coverage.add_run(run)
+        if options.observe is not None:
+            options.observe(scenario, run)
         problems = prop.judge(scenario, run)
         if problems:
             if state.found_at is None:

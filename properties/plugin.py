@@ -51,6 +51,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     (taken from the same definitions)."""
     from pipemetrics.properties.catalogue import SEMANTIC_PROFILES
     from pipemetrics.properties.engine import DEFAULT_DATABASE
+    from pipemetrics.properties.tier import CHECK_TIER
     from pipemetrics.sim.model.scenario import DEFAULT_TARGET
     from pipemetrics.sim.worlds.pool import TIERS
     from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S
@@ -82,8 +83,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     choices=tuple(GENERATOR_CLASSES), metavar="CLASS",
                     help="do not generate inputs of these classes (one or more; the option "
                     "may be repeated)")  # fmt: skip
-    group.addoption("--pipemetrics-tier", default="process", choices=TIERS,
-                    help="process or inprocess (a failure is confirmed on the process tier)")  # fmt: skip
+    group.addoption("--pipemetrics-tier", default=CHECK_TIER, choices=TIERS,
+                    help="inprocess or process (a failure is confirmed on the process tier; "
+                    "inprocess runs on the process tier where megatron-core refuses it)")  # fmt: skip
 
 
 def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
@@ -130,6 +132,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 
     from pipemetrics.properties.effort import get_effort
     from pipemetrics.properties.engine import RunOptions
+    from pipemetrics.properties.tier import check_tier
     from pipemetrics.sim.model.target import resolve_target
 
     config = request.config
@@ -145,7 +148,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
         seed=config.getoption("--pipemetrics-seed"),
         database=config.getoption("--pipemetrics-database"),
         report_dir=Path(config.getoption("--pipemetrics-report-dir")),
-        tier=config.getoption("--pipemetrics-tier"),
+        tier=check_tier(config.getoption("--pipemetrics-tier"))[0],
     )
 
 

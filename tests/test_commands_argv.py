@@ -13,6 +13,7 @@ import pytest
 from pipemetrics.commands.argv import argv_for, child_command, command_args
 from pipemetrics.commands.check import COMMAND as CHECK
 from pipemetrics.commands.parser import SUBCOMMANDS, command_parser
+from pipemetrics.commands.workers import workers_value
 
 COMMANDS = ("check", "prove", "bench")
 
@@ -22,7 +23,7 @@ def _value(action: argparse.Action, index: int) -> str:
     if action.choices is not None:
         choices = [str(c) for c in action.choices if c != action.default]
         return choices[index % len(choices)]
-    if action.type is int:
+    if action.type in (int, workers_value):
         return str(7 + index)
     if action.type is float:
         return str(2.5 + index)

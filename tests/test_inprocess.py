@@ -18,7 +18,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from pipemetrics.bench.differential import differences
 from pipemetrics.bench.measure import throughput_scenario
 from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
 from pipemetrics.properties.effort import EFFORTS
@@ -29,6 +28,7 @@ from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.model.records import StepRecords
 from pipemetrics.sim.model.records import router_record as moe
 from pipemetrics.sim.model.scenario import Scenario, Step
+from pipemetrics.sim.results.differential import differences
 from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.worlds.world import WorldRun
 
