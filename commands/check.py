@@ -67,6 +67,7 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.properties.shared import SharedRuns, shares
 from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
 from pipemetrics.sim.model.target import TargetLoadError, resolve_target
@@ -173,7 +174,8 @@ def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
 def _run_here(
     todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
 ) -> list[PropertyResult]:
-    """Run ``todo`` in this process; on the in-process tier, the referee judges a sample of
+    """Run ``todo`` in this process, each scenario run once however many properties draw it
+    (`pipemetrics.properties.shared`); on the in-process tier, the referee judges a sample of
     its scenarios on the process tier afterwards (`pipemetrics.properties.referee`)."""
     results = []
     max_ranks = options.effort.max_ranks
@@ -184,14 +186,19 @@ def _run_here(
         WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
     ):
+        runs = SharedRuns(pool)
         for i, prop in enumerate(todo, start=offset + 1):
             _err(f"[{i}/{total}] {prop.id} ...")
             progress = _progress_for(f"[{i}/{total}] {prop.id}")
             result = run_property(
-                prop, pool, replace(options, progress=progress), coverage, confirm_pool
+                prop, runs, replace(options, progress=progress), coverage, confirm_pool
             )
             results.append(result)
             _err(_outcome_line(i, total, result))
+        _err(
+            f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
+            "(drawn again, or by another property of the same generator)"
+        )
         if referee is not None:
             pool.close()  # its host processes are done; the process tier gets the cores
             _referee(referee, confirm_pool, options.report_dir, results)
@@ -235,18 +242,19 @@ def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[
 def _run_workers(
     args: argparse.Namespace, todo: list[Property], coverage: Coverage, workers: int
 ) -> list[PropertyResult]:
-    """Split ``todo`` round-robin over worker processes and merge their results.
+    """Split ``todo`` over worker processes, the properties of one generator in one worker
+    (`pipemetrics.properties.shared.shares`), and merge their results.
 
     Workers are always stopped (SIGTERM, so that each ends its own worlds, then SIGKILL) when
     this returns or is interrupted; a worker that ends without results turns its properties
     into errors (its exit code is never passed on).
     """
-    shares = [todo[i::workers] for i in range(workers)]
+    split = shares(todo, workers)
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
-        outs = [os.path.join(tmp, f"worker{i}.json") for i in range(workers)]
+        outs = [os.path.join(tmp, f"worker{i}.json") for i in range(len(split))]
         try:
-            for share, out in zip(shares, outs, strict=True):
+            for share, out in zip(split, outs, strict=True):
                 ids = [p.id for p in share]
                 procs.append(subprocess.Popen(_worker_command(args, ids, out)))
             for proc in procs:
@@ -258,7 +266,7 @@ def _run_workers(
             for proc in procs:
                 stop_child(proc)
         by_id: dict[str, PropertyResult] = {}
-        for proc, out, share in zip(procs, outs, shares, strict=True):
+        for proc, out, share in zip(procs, outs, split, strict=True):
             for result in _worker_results(proc.returncode, out, share, coverage):
                 by_id[result.id] = result
     return [by_id[p.id] for p in todo if p.id in by_id]

@@ -53,7 +53,33 @@ SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron", "strict")
 EVERY_PROFILE: frozenset[Semantic] = frozenset(SEMANTIC_PROFILES)
 STRICT_ONLY: frozenset[Semantic] = frozenset({"strict"})
 
-ScenarioStrategy = Callable[[Effort, Semantic], st.SearchStrategy[Scenario]]
+
+@dataclass(frozen=True)
+class Generator:
+    """A property's scenarios: a strategy of `pipemetrics.properties.strategies` and its
+    arguments, as a value. Properties whose generators are equal draw the same scenarios from one
+    seed, so a run judges each of those scenarios by all of them after running it once
+    (`pipemetrics.properties.shared`)."""
+
+    strategy: Callable[..., st.SearchStrategy[Scenario]]
+    options: tuple[tuple[str, object], ...] = ()
+    semantic: bool = True
+    """Whether the strategy takes the semantic profile (``semantic=``)."""
+
+    def __call__(self, effort: Effort, semantic: Semantic) -> st.SearchStrategy[Scenario]:
+        kwargs = dict(self.options)
+        if self.semantic:
+            kwargs["semantic"] = semantic
+        return self.strategy(effort, **kwargs)
+
+
+def generator(
+    strategy: Callable[..., st.SearchStrategy[Scenario]],
+    *,
+    semantic: bool = True,
+    **options: object,
+) -> Generator:
+    return Generator(strategy, tuple(sorted(options.items())), semantic)
 
 
 @dataclass(frozen=True)
@@ -63,7 +89,7 @@ class Property:
     summary: str
     cites: str
     """The sentence of the API document (quoted) or the Megatron behaviour it enforces."""
-    scenarios: ScenarioStrategy
+    scenarios: Generator
     judge: j.Judge
     profiles: frozenset[Semantic] = EVERY_PROFILE
     also_calls: tuple[str, ...] = ()
@@ -74,12 +100,16 @@ class Property:
         return (self.function, *self.also_calls)
 
 
-def _moe(**kwargs: object) -> ScenarioStrategy:
-    return lambda effort, semantic: s.moe_scenarios(effort, semantic, **kwargs)  # type: ignore[arg-type]
+def _moe(**options: object) -> Generator:
+    return Generator(s.moe_scenarios, tuple(sorted(options.items())))
 
 
-def _mtp(**kwargs: object) -> ScenarioStrategy:
-    return lambda effort, semantic: s.mtp_scenarios(effort, semantic, **kwargs)  # type: ignore[arg-type]
+def _mtp(**options: object) -> Generator:
+    return Generator(s.mtp_scenarios, tuple(sorted(options.items())))
+
+
+def _broadcast(mode: str) -> Generator:
+    return generator(s.broadcast_scenarios, mode=mode)
 
 
 MOE = "get_moe_metrics"
@@ -133,7 +163,7 @@ CATALOGUE: tuple[Property, ...] = (
         "_round_up_to_multiple",
         "the least multiple of `multiple` that is >= value, as an int",
         '"_round_up_to_multiple(value: int, multiple: int) -> int": rounds value up to a multiple',
-        lambda p, _: s.round_up_scenarios(p),
+        generator(s.round_up_scenarios, semantic=False),
         j.checked(j.round_up_least_multiple),
     ),
     Property(
@@ -145,7 +175,7 @@ CATALOGUE: tuple[Property, ...] = (
         'non-source ranks (will be created with correct shape/dtype)" / "Returns: The '
         "broadcasted tensor. On non-source ranks, this will be the tensor received from the "
         'source."',
-        lambda p, sem: s.broadcast_scenarios(p, "mixed", sem),
+        _broadcast("mixed"),
         j.checked(j.broadcast_roundtrip),
     ),
     Property(
@@ -154,7 +184,7 @@ CATALOGUE: tuple[Property, ...] = (
         "a receiver's valid buffer is filled and returned",
         "\"If not None on non-source ranks, it's used as the buffer for the broadcast and must "
         "match the source tensor's metadata.\"",
-        lambda p, sem: s.broadcast_scenarios(p, "buffers", sem),
+        _broadcast("buffers"),
         j.checked(j.broadcast_receiver_buffer),
     ),
     Property(
@@ -164,7 +194,7 @@ CATALOGUE: tuple[Property, ...] = (
         "shape, dtype or device) raises ValueError; what its peers do is left open",
         '"Raises: ValueError - If the tensor is None on the source rank, or if a tensor '
         'provided on a non-source rank has mismatched shape/dtype/device."',
-        lambda p, sem: s.broadcast_scenarios(p, "invalid", sem),
+        _broadcast("invalid"),
         j.broadcast_value_error,
     ),
     Property(
@@ -173,7 +203,7 @@ CATALOGUE: tuple[Property, ...] = (
         "an invalid input on any rank raises ValueError on every rank; no rank hangs",
         "pipemetrics' reference (strict profile): the document's ValueError, raised on every "
         "rank of the group after one metadata round, so no peer is left in the broadcast",
-        lambda p, sem: s.broadcast_scenarios(p, "invalid", sem),
+        _broadcast("invalid"),
         j.broadcast_errors_everywhere,
         STRICT_ONLY,
     ),
@@ -188,7 +218,7 @@ CATALOGUE: tuple[Property, ...] = (
         'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open, '
         "its place when returned is not: the router records it first; a z_loss the router does "
         "not record, without moe_z_loss_coeff, is never one of them)",
-        lambda p, _: s.track_names_scenarios(p),
+        generator(s.track_names_scenarios, semantic=False),
         j.checked(j.track_names_parity),
     ),
     Property(
@@ -266,7 +296,7 @@ CATALOGUE: tuple[Property, ...] = (
         MOE,
         "values equal the oracle when megatron-core's real routers fill the tracker",
         DOC_MOE_RETURNS + ", on trackers filled by megatron-core's TopKRouter itself",
-        lambda p, sem: s.router_scenarios(p, sem),
+        generator(s.router_scenarios),
         j.checked(j.moe_all_values),
     ),
     Property(
@@ -330,7 +360,7 @@ CATALOGUE += (
         "get_mtp_metrics in either order, some steps calling one or none: no hang, and every "
         "call returns the oracle's values for what was recorded since the previous call",
         DOC_PREINIT + " / " + DOC_MTP_RETURNS + "; " + MEGATRON_CLEARS,
-        lambda p, sem: s.interleaved_scenarios(p, sem),
+        generator(s.interleaved_scenarios),
         j.checked(j.interleaved_values),
         also_calls=(MTP,),
     ),

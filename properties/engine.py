@@ -10,6 +10,7 @@ failing scenario is written with `save_scenario` for ``pipemetrics replay``.
 from __future__ import annotations
 
 import os
+import random
 import time
 import traceback
 from collections.abc import Callable
@@ -30,11 +31,12 @@ from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import Effort, hypothesis_settings
 from pipemetrics.properties.runview import HarnessFault
+from pipemetrics.properties.shared import Runner
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
 from pipemetrics.sim.model.scenario import Scenario, replay_command, save_scenario
 from pipemetrics.sim.results.summary import layout_picture, what_ranks_did
-from pipemetrics.sim.worlds.pool import Tier, WorldPool
+from pipemetrics.sim.worlds.pool import Tier
 from pipemetrics.sim.worlds.world import WorldRun, WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
@@ -104,6 +106,12 @@ class RunOptions:
     """How hard it searches (the Hypothesis profile: examples, shapes, budgets)."""
     max_examples: int | None = None
     seed: int | None = None
+    """The user's seed (``--seed``): the draws, and no example database."""
+    draws_seed: int = field(default_factory=lambda: random.getrandbits(32))
+    """The seed of every property's draws in this run: ``seed`` when given, else one drawn for
+    the run, so that properties of one generator draw the same scenarios and share their runs
+    (`pipemetrics.properties.shared`); the example database still replays each property's
+    earlier failures first."""
     database: str | None = None
     report_dir: Path = Path("pipemetrics-report")
     progress: Callable[[str], None] | None = None
@@ -192,7 +200,7 @@ def draws_independent_of_local_code() -> Any:
 
 
 def _example_runner(
-    prop: Property, pool: WorldPool, options: RunOptions, coverage: Coverage, state: _State
+    prop: Property, pool: Runner, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
@@ -245,14 +253,15 @@ def _write_replay(prop: Property, failure: _Failure, report_dir: Path) -> str:
 
 def run_property(
     prop: Property,
-    pool: WorldPool,
+    pool: Runner,
     options: RunOptions,
     coverage: Coverage,
-    confirm_pool: WorldPool | None = None,
+    confirm_pool: Runner | None = None,
 ) -> PropertyResult:
     """Run one property to completion (pass, shrunk failure, or error).
 
-    ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
+    ``pool``: where its scenarios run (a `pipemetrics.properties.shared.SharedRuns` lets the
+    properties of one generator share them). ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
     again before it is reported (`confirm_failure`)."""
     effort = options.effort
     state = _State()
@@ -269,8 +278,7 @@ def run_property(
         effort.examples_for(options.max_examples),
         database=None if options.seed is not None else make_database(options.database),
     )(test)
-    if options.seed is not None:
-        test = hypothesis_seed(options.seed)(test)
+    test = hypothesis_seed(options.seed if options.seed is not None else options.draws_seed)(test)
     result = PropertyResult(prop.id, prop.function, "pass")
     began = time.monotonic()
     flaky = False
@@ -320,7 +328,7 @@ def run_property(
 
 
 def confirm_failure(
-    prop: Property, failure: _Failure, result: PropertyResult, process_pool: WorldPool
+    prop: Property, failure: _Failure, result: PropertyResult, process_pool: Runner
 ) -> None:
     """Run the minimal failing scenario on the process tier (real processes, real gloo) and
     keep the failure only if it fails there too. One that passes there is a fault of

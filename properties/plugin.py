@@ -165,13 +165,15 @@ def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: An
 
 @pytest.fixture(scope="session")
 def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
-    """One pool of live worlds per pytest process (per xdist worker)."""
+    """One pool of live worlds per pytest process (per xdist worker), each scenario run once
+    however many of its tests draw it (`pipemetrics.properties.shared`)."""
+    from pipemetrics.properties.shared import SharedRuns
     from pipemetrics.sim.worlds.pool import WorldPool
 
     with WorldPool(
         max_ranks=pipemetrics_options.effort.max_ranks, tier=pipemetrics_options.tier
     ) as pool:
-        yield pool
+        yield SharedRuns(pool)
 
 
 @pytest.fixture(scope="session")

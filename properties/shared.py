@@ -1,0 +1,88 @@
+"""One run, every judge: a scenario that several properties draw is run once and judged by each.
+
+Properties whose generators are equal (`pipemetrics.properties.catalogue.Generator`) draw the
+same scenarios in the same order from the run's seed (`pipemetrics.properties.engine.RunOptions.
+draws_seed`) until one of them fails, so `SharedRuns` keeps each world run by its scenario and
+hands the same run to the next property's judge instead of running the world again. Each
+property still draws, judges, shrinks and reports on its own; only the world run is shared. A
+run is kept by the scenario's whole content except the property that drew it, so two
+properties share a run only where they asked for exactly the same thing.
+
+`shares` splits the properties to run over worker processes so that the properties of one
+generator land in the same worker (only there can they share runs).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pipemetrics.properties.catalogue import Generator, Property
+from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.worlds.pool import Tier
+from pipemetrics.sim.worlds.world import WorldRun
+
+KEPT_RUNS = 2048
+"""Runs kept (least recently used dropped first): more than one property's examples and its
+combinations at every effort, so a property's runs are still there for the next property of its
+generator."""
+
+
+class Runner(Protocol):
+    """What runs a property's scenarios: a `pipemetrics.sim.worlds.pool.WorldPool`, or
+    `SharedRuns` around one."""
+
+    @property
+    def tier(self) -> Tier: ...
+
+    def run(self, scenario: Scenario) -> WorldRun: ...
+
+
+@dataclass
+class SharedRuns:
+    """A runner that runs each distinct scenario once (`KEPT_RUNS` at a time)."""
+
+    runner: Runner
+    kept: OrderedDict[str, WorldRun] = field(default_factory=OrderedDict)
+    runs: int = 0
+    """World runs made."""
+    shared: int = 0
+    """Scenarios judged on a run made for another property."""
+
+    @property
+    def tier(self) -> Tier:
+        return self.runner.tier
+
+    def run(self, scenario: Scenario) -> WorldRun:
+        key = scenario.model_dump_json(exclude={"property"})
+        run = self.kept.get(key)
+        if run is not None:
+            self.kept.move_to_end(key)
+            self.shared += 1
+            return run
+        run = self.runner.run(scenario)
+        self.runs += 1
+        self.kept[key] = run
+        if len(self.kept) > KEPT_RUNS:
+            self.kept.popitem(last=False)
+        return run
+
+
+def shares(todo: Sequence[Property], workers: int) -> list[list[Property]]:
+    """``todo`` split over ``workers``: the properties of one generator together, the largest
+    groups first onto the worker with the fewest properties so far, each share in ``todo``'s
+    order. A group's first property costs its worlds; the others only their draws and judges,
+    counted as a third of one."""
+    groups: dict[Generator, list[Property]] = {}
+    for prop in todo:
+        groups.setdefault(prop.scenarios, []).append(prop)
+    loads = [0.0] * workers
+    chosen: list[list[Property]] = [[] for _ in range(workers)]
+    for group in sorted(groups.values(), key=len, reverse=True):
+        worker = loads.index(min(loads))
+        loads[worker] += 1 + (len(group) - 1) / 3
+        chosen[worker].extend(group)
+    order = {prop.id: i for i, prop in enumerate(todo)}
+    return [sorted(share, key=lambda p: order[p.id]) for share in chosen if share]
