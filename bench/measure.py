@@ -25,17 +25,20 @@ use (never against a constant the bench chose):
 6. hang and mismatch detection (`pipemetrics.bench.hang_detection`) against PyTorch's own tools;
 7. wall time of ``pipemetrics check`` on the reference with the ci Hypothesis profile, and
    beside it ``pipemetrics prove`` on the reference at the default bound: cases, wall time,
-   cases per second and the ratio of the two wall times (timed by the command, reported here).
+   cases per second and the ratio of the two wall times (timed by the command, reported here);
+8. check's loop in one process (scenarios judged per second) beside the ranks' own work on the
+   same world runs, and the ratio (`pipemetrics.bench.ceiling`).
 
 ``--plot DIR`` draws the throughput and scaling curves as PNG files (matplotlib, the ``plot``
 extra); ``--from-json FILE`` prints the table and draws the plots of an earlier run without
 measuring. ``--quick`` (for CI) shrinks every count, measures sizes 2 and 4, skips the check
-run of step 7 and proves only two single-rank families, and runs step 6 on three kinds with
+run of step 7 and proves only two single-rank families, runs step 8 on three properties of 5
+examples, and runs step 6 on three kinds with
 pipemetrics and DETAIL only, to prove the bench works. Numbers are reported, never asserted.
 Every world is closed and every temporary directory removed.
 
 What the installed megatron-core cannot run (`tier_unsupported`: the in-process tier on
-0.13-0.17) is left out: its throughput columns, scaling curve and wide call cost are listed under
+0.13-0.17) is left out: its throughput columns, scaling curve, wide call cost and step 8 are listed under
 ``not_measured`` in the JSON, with the reason, and printed under their tables.
 """
 
@@ -55,6 +58,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pipemetrics.bench.call_cost import CallCost, measure_call_cost
+from pipemetrics.bench.ceiling import CheckCeiling
 from pipemetrics.bench.hang_detection import (
     KINDS,
     TORCH_TOOLS,
@@ -140,6 +144,11 @@ class Plan:
     preloaded_starts: int
     """Fresh preloaded starts at least, per size (the fork-per-example worlds count)."""
     run_check: bool
+    ceiling_properties: tuple[str, ...]
+    """The properties whose check loop is set beside the ranks' own work (empty: every property
+    of the seed profile; `pipemetrics.bench.ceiling`)."""
+    ceiling_examples: int | None
+    """Their examples each (None: the ci profile's)."""
     prove_families: tuple[str, ...]
     """The families ``pipemetrics prove`` runs (empty: the whole default bound)."""
     check_timeout_s: float
@@ -175,6 +184,8 @@ def make_plan(quick: bool, check_timeout_s: float, judge: Judge) -> Plan:
             deadlock_samples=5,
             preloaded_starts=1,
             run_check=False,
+            ceiling_properties=("round_up.least_multiple", "moe.values", "moe.names"),
+            ceiling_examples=5,
             prove_families=("round_up", "track_names"),
             check_timeout_s=check_timeout_s,
             cost_steps=4,
@@ -195,6 +206,8 @@ def make_plan(quick: bool, check_timeout_s: float, judge: Judge) -> Plan:
         deadlock_samples=100,
         preloaded_starts=3,
         run_check=True,
+        ceiling_properties=(),
+        ceiling_examples=None,
         prove_families=(),
         check_timeout_s=check_timeout_s,
         cost_steps=30,
@@ -600,6 +613,8 @@ class Results:
     deadlock_ms: list[float] = field(default_factory=list)
     deadlock_run_ms: list[float] = field(default_factory=list)
     check_s: float | None = None
+    ceiling: CheckCeiling | None = None
+    """Check's loop beside the ranks' own work on its runs."""
     prove_s: float | None = None
     outputs: dict[str, Any] = field(default_factory=dict)
     """What a timed command wrote as JSON (the prove certificate), by its report key."""

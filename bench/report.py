@@ -157,6 +157,7 @@ def report(plan: Plan, results: Results, leftovers: Leftovers) -> dict[str, Any]
         },
         "check_ci_profile_s": None if results.check_s is None else four_digits(results.check_s),
         "prove": _prove_report(results),
+        "check_ceiling": _ceiling_report(results),
         "call_cost": _call_cost(results.call_cost),
         "call_cost_wide": _call_cost(results.call_cost_wide),
         "hang_detection": None if results.hang is None else report_section(results.hang),
@@ -250,6 +251,28 @@ def _prove_report(results: Results) -> dict[str, Any] | None:
         "to_check_ci_profile": None
         if results.check_s is None
         else four_digits(results.prove_s / results.check_s),
+    }
+
+
+def _ceiling_report(results: Results) -> dict[str, Any] | None:
+    """Check's loop beside the ranks' own work on its world runs (`pipemetrics.bench.ceiling`):
+    scenarios judged per second of each, and the ratio."""
+    ceiling = results.ceiling
+    if ceiling is None:
+        return None
+    return {
+        "properties": ceiling.properties,
+        "judged": ceiling.judged,
+        "world_runs": ceiling.runs,
+        "world_runs_by_size": {str(size): n for size, n in ceiling.sizes.items()},
+        "check_s": four_digits(ceiling.check_s),
+        "alone_s": four_digits(ceiling.alone_s),
+        "judged_per_s": {
+            "check": four_digits(ceiling.check_rate),
+            "ceiling": four_digits(ceiling.ceiling_rate),
+        },
+        "to_ceiling": four_digits(ceiling.ratio),
+        "failed": ceiling.failed,
     }
 
 
@@ -421,5 +444,22 @@ def table(data: dict[str, Any]) -> str:
                f"{prove['to_check_ci_profile']:.2f}x the check's wall time")
             + ("" if not prove["bound"]["families"] else
                f"; families {', '.join(prove['bound']['families'])} only"))),
+        _ceiling_line(data.get("check_ceiling")),
     ]  # fmt: skip
+    lines += _left_out(not_measured, "check_ceiling")
     return "\n".join(lines)
+
+
+def _ceiling_line(ceiling: dict[str, Any] | None) -> str:
+    head = "check's loop beside the ranks' own work (one process, in-process tier, ci profile): "
+    if ceiling is None:
+        return head + "not run"
+    rates = ceiling["judged_per_s"]
+    failed = f"; did not pass: {', '.join(ceiling['failed'])}" if ceiling["failed"] else ""
+    return (
+        head + f"{ceiling['properties']} properties, {ceiling['judged']:,} scenarios judged "
+        f"({ceiling['world_runs']:,} world runs) in {ceiling['check_s']:.1f} s "
+        f"({_fmt_rate(rates['check'])}/s); the ranks' work alone on the same runs "
+        f"{ceiling['alone_s']:.1f} s ({_fmt_rate(rates['ceiling'])}/s): check at "
+        f"{100 * ceiling['to_ceiling']:.0f}% of the ceiling{failed}"
+    )

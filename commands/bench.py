@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipemetrics.bench.ceiling import measure_check_ceiling
 from pipemetrics.bench.hang_detection import markdown_table
 from pipemetrics.bench.measure import (
     BenchError,
@@ -109,6 +110,23 @@ def measure_prove(plan: Plan, results: Results) -> bool:
     return results.prove_s is not None
 
 
+def measure_ceiling(plan: Plan, results: Results, leftovers: Leftovers) -> None:
+    """Check's loop beside the ranks' own work on its runs (`pipemetrics.bench.ceiling`); left
+    out where the in-process tier cannot run."""
+    unsupported = inprocess_unsupported()
+    if unsupported is not None:
+        results.leave_out("check_ceiling", unsupported)
+        return
+    tell("check's loop in one process, then the ranks' own work alone on its world runs ...")
+    ceiling = measure_check_ceiling(plan.ceiling_properties, plan.ceiling_examples, leftovers.note)
+    results.ceiling = ceiling
+    tell(
+        f"check's loop: {ceiling.judged} scenarios judged ({ceiling.runs} world runs) in "
+        f"{ceiling.check_s:.1f} s; the ranks' work alone: {ceiling.alone_s:.1f} s; "
+        f"{100 * ceiling.ratio:.0f}% of the ceiling"
+    )
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_out(parser, what="the results")
     parser.add_argument(
@@ -181,6 +199,7 @@ def run_bench(args: argparse.Namespace) -> int:
         measure_hang(plan, results, leftovers)
         check_ok = measure_check(plan, results) if plan.run_check else True
         check_ok = measure_prove(plan, results) and check_ok
+        measure_ceiling(plan, results, leftovers)
         data = report(plan, results, leftovers)
     except BenchError as exc:
         tell(str(exc))

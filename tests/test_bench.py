@@ -40,6 +40,7 @@ QUICK_SIZES = {"2", "4"}
 REPORTED_AS = {"mismatch", "deadlock", "timeout", "other error", "crash", "nothing"}
 INPROCESS_MEASUREMENTS = {
     "throughput.inprocess", "throughput.rank_work_alone", "scaling.inprocess", "call_cost_wide",
+    "check_ceiling",
 }  # fmt: skip
 """What the bench measures on the in-process tier, in ``not_measured``'s keys."""
 
@@ -82,6 +83,7 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     contract = {
         "throughput", "scaling", "world_start_s", "deadlock", "check_ci_profile_s", "call_cost",
         "call_cost_wide", "hang_detection", "not_measured", "machine", "leftovers", "prove",
+        "check_ceiling",
     }  # fmt: skip
     assert contract <= set(data)
 
@@ -161,6 +163,21 @@ def test_quick_bench_writes_the_json_contract(tmp_path: Path, bounds: Bounds) ->
     assert prove["to_check_ci_profile"] is None
     assert f"pipemetrics prove on the reference: {prove['cases']:,} cases in" in done.stdout
     assert data["quick"] is True
+
+    ceiling = data["check_ceiling"]  # the quick plan: three properties of 5 examples
+    if inprocess_refused is not None:
+        assert ceiling is None
+    else:
+        assert ceiling["properties"] == 3 and ceiling["failed"] == []
+        assert ceiling["judged"] >= 15 and 0 < ceiling["world_runs"] <= ceiling["judged"]
+        # moe.values and moe.names share a generator: the second judges the first's runs
+        assert ceiling["world_runs"] < ceiling["judged"]
+        assert sum(ceiling["world_runs_by_size"].values()) == ceiling["world_runs"]
+        rates = ceiling["judged_per_s"]
+        assert positive(ceiling["check_s"]) and positive(ceiling["alone_s"])
+        assert math.isclose(ceiling["judged"] / ceiling["check_s"], rates["check"], rel_tol=1e-2)
+        assert math.isclose(rates["check"] / rates["ceiling"], ceiling["to_ceiling"], rel_tol=1e-2)
+        assert f"({ceiling['world_runs']:,} world runs)" in done.stdout
 
     assert set(data["call_cost"]) == QUICK_SIZES
     # 0.13-0.17: no report(); their training_log's call, its reduction
