@@ -6,9 +6,10 @@ errors. Progress goes to stderr, one line per property; the table, the failure w
 the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
 command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
 the same report to files. ``-n WORKERS`` (default ``auto``, `pipemetrics.commands.workers`)
-splits the properties over worker processes, each running this same command on its share with
-its own world pool, started with every option of this run
-(`pipemetrics.commands.argv.child_command`).
+runs the properties in worker processes, each running this same command with its own world
+pool, started with every option of this run (`pipemetrics.commands.argv.child_command`), loading
+the target itself and judging the groups of properties (one per generator) this process hands it
+as it becomes free (`pipemetrics.commands.worker_queue`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from pipemetrics.commands.options import (
     add_verbose,
 )
 from pipemetrics.commands.subcommand import Subcommand
+from pipemetrics.commands.worker_queue import Group, dispatch, groups_of, read_groups, say_done
 from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
@@ -67,7 +69,7 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.selection import Selection, SelectionError, select
-from pipemetrics.properties.shared import SharedRuns, shares
+from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
 from pipemetrics.sim.model.target import TargetLoadError, resolve_target
@@ -144,6 +146,7 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_tier(parser, default=CHECK_TIER)
     parser.add_argument("--worker-json", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-queue", action="store_true", help=argparse.SUPPRESS)
 
 
 COMMAND = Subcommand(
@@ -171,10 +174,14 @@ def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
     return PropertyResult(prop.id, prop.function, status, message=message)  # type: ignore[arg-type]
 
 
+Numbered = list[tuple[int, Property]]
+"""Properties with their place in the run's numbering (1-based)."""
+
+
 def _run_here(
-    todo: list[Property], options: RunOptions, coverage: Coverage, total: int, offset: int
+    batches: Iterable[Numbered], total: int, options: RunOptions, coverage: Coverage
 ) -> list[PropertyResult]:
-    """Run ``todo`` in this process, each scenario run once however many properties draw it
+    """Run ``batches`` in this process, each scenario run once however many properties draw it
     (`pipemetrics.properties.shared`); on the in-process tier, the referee judges a sample of
     its scenarios on the process tier afterwards (`pipemetrics.properties.referee`)."""
     results = []
@@ -187,14 +194,15 @@ def _run_here(
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
     ):
         runs = SharedRuns(pool)
-        for i, prop in enumerate(todo, start=offset + 1):
-            _err(f"[{i}/{total}] {prop.id} ...")
-            progress = _progress_for(f"[{i}/{total}] {prop.id}")
-            result = run_property(
-                prop, runs, replace(options, progress=progress), coverage, confirm_pool
-            )
-            results.append(result)
-            _err(_outcome_line(i, total, result))
+        for batch in batches:
+            for i, prop in batch:
+                _err(f"[{i}/{total}] {prop.id} ...")
+                progress = _progress_for(f"[{i}/{total}] {prop.id}")
+                result = run_property(
+                    prop, runs, replace(options, progress=progress), coverage, confirm_pool
+                )
+                results.append(result)
+                _err(_outcome_line(i, total, result))
         _err(
             f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
             "(drawn again, or by another property of the same generator)"
@@ -230,33 +238,42 @@ def _progress_for(head: str) -> Callable[[str], None]:
 
 
 def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:
-    """Every option of this run, but: its share of the properties, its results to ``out``, one
-    process, and what only this process does (the reports; the skip and xfail lists, already
-    applied to the share and to its results)."""
+    """Every option of this run, but: the properties it may be handed (it runs the groups it
+    reads on stdin, `pipemetrics.commands.worker_queue`), its results to ``out``, one process,
+    and what only this process does (the reports; the skip and xfail lists, already applied to
+    the properties and to its results)."""
     return child_command(
-        COMMAND, args, only=ids, worker_json=out, workers=1, json_out=None, junit=None,
-        markdown=None, skip=None, xfail=None,
+        COMMAND, args, only=ids, worker_json=out, worker_queue=True, workers=1, json_out=None,
+        junit=None, markdown=None, skip=None, xfail=None,
     )  # fmt: skip
 
 
 def _run_workers(
-    args: argparse.Namespace, todo: list[Property], coverage: Coverage, workers: int
-) -> list[PropertyResult]:
-    """Split ``todo`` over worker processes, the properties of one generator in one worker
-    (`pipemetrics.properties.shared.shares`), and merge their results.
+    args: argparse.Namespace,
+    todo: list[Property],
+    groups: list[Group],
+    coverage: Coverage,
+    workers: int,
+) -> list[PropertyResult] | str:
+    """Run ``groups`` in worker processes, each group handed to whichever worker is free
+    (`pipemetrics.commands.worker_queue.dispatch`), and merge their results; the first load
+    error a worker reports instead, when the target did not load.
 
     Workers are always stopped (SIGTERM, so that each ends its own worlds, then SIGKILL) when
-    this returns or is interrupted; a worker that ends without results turns its properties
-    into errors (its exit code is never passed on).
+    this returns or is interrupted; the properties a worker held when it ended without results
+    become errors (its exit code is never passed on), and so do those no worker was left to run.
     """
-    split = shares(todo, workers)
+    ids = [p.id for p in todo]
     with tempfile.TemporaryDirectory(prefix="pipemetrics-check-") as tmp:
         procs: list[subprocess.Popen[bytes]] = []
-        outs = [os.path.join(tmp, f"worker{i}.json") for i in range(len(split))]
+        outs = [os.path.join(tmp, f"worker{i}.json") for i in range(workers)]
         try:
-            for share, out in zip(split, outs, strict=True):
-                ids = [p.id for p in share]
-                procs.append(subprocess.Popen(_worker_command(args, ids, out)))
+            for out in outs:
+                command = _worker_command(args, ids, out)
+                procs.append(
+                    subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                )
+            given = dispatch(procs, groups)
             for proc in procs:
                 proc.wait()
         finally:
@@ -265,24 +282,41 @@ def _run_workers(
                     proc.terminate()  # all at once; stop_child then waits and kills
             for proc in procs:
                 stop_child(proc)
-        by_id: dict[str, PropertyResult] = {}
-        for proc, out, share in zip(procs, outs, split, strict=True):
-            for result in _worker_results(proc.returncode, out, share, coverage):
-                by_id[result.id] = result
-    return [by_id[p.id] for p in todo if p.id in by_id]
+        by_id = {p.id: p for p in todo}
+        results: dict[str, PropertyResult] = {}
+        for proc, out, held in zip(procs, outs, given, strict=True):
+            share = [by_id[i] for group in held for i in group.ids]
+            found = _worker_results(proc.returncode, out, share, coverage)
+            if isinstance(found, str):
+                return found
+            results.update((result.id, result) for result in found)
+    missing = "pipemetrics fault: no worker was left to run it"
+    return [results.get(p.id) or _not_run(p, "error", missing) for p in todo]
 
 
 def _worker_results(
     code: int, out: str, share: list[Property], coverage: Coverage
-) -> list[PropertyResult]:
+) -> list[PropertyResult] | str:
     try:
         data = json.loads(Path(out).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         how = f"killed by signal {signal_name(-code)}" if code < 0 else f"exited with code {code}"
         message = f"pipemetrics fault: the worker running it {how} without results"
         return [_not_run(prop, "error", message) for prop in share]
+    if "load_error" in data:
+        return str(data["load_error"])
     coverage.merge(data["coverage"])
     return [PropertyResult(**item) for item in data["results"]]
+
+
+def _queued(todo: list[Property], absent: dict[str, PropertyResult]) -> Iterator[Numbered]:
+    """A worker's batches: the groups its parent hands it on stdin, each said done on stdout
+    once judged; the absent properties of a group are not run (``absent`` holds their
+    results)."""
+    by_id = {p.id: p for p in todo}
+    for group in read_groups(sys.stdin):
+        yield [(group.first + k, by_id[i]) for k, i in enumerate(group.ids) if i not in absent]
+        say_done(sys.stdout)
 
 
 def installed_version(package: str) -> str:
@@ -338,14 +372,8 @@ def run_check(args: argparse.Namespace) -> int:
     args.impl = target
     if not args.worker_json:
         _announce(target, args, selection, effort.name, fallback)
-    try:
-        provided = set(require_api(target, probe_target(target, args.load_timeout)))
-    except TargetLoadError as exc:
-        _err(f"pipemetrics check: {exc}")
-        return EXIT_USAGE
-    for warning in selection.warnings:
-        _err(f"warning: {warning}")
-
+        for warning in selection.warnings:
+            _err(f"warning: {warning}")
     options = RunOptions(
         target=target,
         profile=args.profile,
@@ -359,29 +387,48 @@ def run_check(args: argparse.Namespace) -> int:
     results: dict[str, PropertyResult] = {}
     todo = []
     for prop in selection.properties:
-        missing = [name for name in prop.functions if name not in provided]
-        if missing:
-            results[prop.id] = _not_run(
-                prop, "absent", f"the target does not define {', '.join(missing)}"
-            )
-        elif prop.id in selection.skip:
+        if prop.id in selection.skip:
             results[prop.id] = _not_run(prop, "skipped", "skipped (listed in the skip file)")
         else:
             todo.append(prop)
     coverage = Coverage(effort.classes)
     began = time.monotonic()
+    groups = groups_of(todo)
     workers, why = worker_count(
-        args.workers, tier=args.tier, effort=effort, properties=len(todo), cores=usable_cores()
+        args.workers, tier=args.tier, effort=effort, groups=len(groups), cores=usable_cores()
     )
-    if not args.worker_json:
+    if workers > 1 and not args.worker_json:
         _err(
-            f"{len(todo)} properties to run, {len(results)} absent or skipped; "
-            f"{workers} worker(s) ({why})"
+            f"{len(todo)} properties to run, {len(results)} skipped; {workers} worker(s) "
+            f"({why}), each loading the target"
         )
-    if workers > 1:
-        ran = _run_workers(args, todo, coverage, workers)
+        ran = _run_workers(args, todo, groups, coverage, workers)
+        if isinstance(ran, str):
+            _err(f"pipemetrics check: {ran}")
+            return EXIT_USAGE
     else:
-        ran = _run_here(todo, options, coverage, len(todo), 0)
+        try:
+            provided = set(require_api(target, probe_target(target, args.load_timeout)))
+        except TargetLoadError as exc:
+            if args.worker_json:  # the parent says it, once
+                write_json(args.worker_json, {"load_error": str(exc)})
+            else:
+                _err(f"pipemetrics check: {exc}")
+            return EXIT_USAGE
+        absent = {
+            prop.id: _not_run(prop, "absent", f"the target does not define {', '.join(missing)}")
+            for prop in todo
+            if (missing := [name for name in prop.functions if name not in provided])
+        }
+        results.update(absent)
+        todo = [prop for prop in todo if prop.id not in absent]
+        if not args.worker_json:
+            _err(
+                f"{len(todo)} properties to run, {len(results)} absent or skipped; "
+                f"{workers} worker(s) ({why})"
+            )
+        batches = _queued(todo, absent) if args.worker_queue else [list(enumerate(todo, start=1))]
+        ran = _run_here(batches, len(todo) + len(absent), options, coverage)
     for result in ran:
         result.xfail = result.id in selection.xfail and result.status == "fail"
         if result.id in selection.xfail and result.status == "pass":

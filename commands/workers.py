@@ -4,7 +4,8 @@ them.
 
 The rule (docs/cli.md states it): ``-n auto`` (the default) asks for one worker per usable core
 (`usable_cores`: the CPUs this process may run on, ``os.sched_getaffinity``); a number asks for
-that many. Then, never more workers than cores, nor than properties to run; on the in-process
+that many. Then, never more workers than cores, nor than groups of properties to run (the
+properties of one generator run in one worker, `pipemetrics.commands.worker_queue`); on the in-process
 tier each world is one process, so that is all; on the process tier a world of W ranks is W
 processes, so at most ``cores // W`` workers for the largest world the effort draws (W =
 `largest_world`), and 1 where even one such world fills the cores.
@@ -50,7 +51,7 @@ def largest_world(effort: Effort) -> int:
 
 
 def worker_count(
-    requested: Workers, *, tier: Tier, effort: Effort, properties: int, cores: int
+    requested: Workers, *, tier: Tier, effort: Effort, groups: int, cores: int
 ) -> tuple[int, str]:
     """The workers a check runs and why that many (the module's rule, in words)."""
     wanted = cores if isinstance(requested, str) else requested
@@ -62,7 +63,7 @@ def worker_count(
         why = f"{cores} usable core(s), worlds of up to {ranks} rank processes"
     if requested != AUTO:
         why = f"-n {requested}; {why}"
-    count = max(1, min(wanted, limit, properties))
-    if properties < min(wanted, limit):
-        why += f"; {properties} properties to run"
+    count = max(1, min(wanted, limit, groups))
+    if groups < min(wanted, limit):
+        why += f"; {groups} group(s) of properties to run, one per generator"
     return count, why

@@ -6,20 +6,16 @@ draws_seed`) until one of them fails, so `SharedRuns` keeps each world run by it
 hands the same run to the next property's judge instead of running the world again. Each
 property still draws, judges, shrinks and reports on its own; only the world run is shared. A
 run is kept by the scenario's whole content except the property that drew it, so two
-properties share a run only where they asked for exactly the same thing.
-
-`shares` splits the properties to run over worker processes so that the properties of one
-generator land in the same worker (only there can they share runs).
+properties share a run only where they asked for exactly the same thing. ``check -n`` hands
+the properties of one generator to one worker together (`pipemetrics.commands.worker_queue`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pipemetrics.properties.catalogue import Generator, Property
 from pipemetrics.sim.model.scenario import Scenario
 from pipemetrics.sim.worlds.pool import Tier
 from pipemetrics.sim.worlds.world import WorldRun
@@ -68,21 +64,3 @@ class SharedRuns:
         if len(self.kept) > KEPT_RUNS:
             self.kept.popitem(last=False)
         return run
-
-
-def shares(todo: Sequence[Property], workers: int) -> list[list[Property]]:
-    """``todo`` split over ``workers``: the properties of one generator together, the largest
-    groups first onto the worker with the fewest properties so far, each share in ``todo``'s
-    order. A group's first property costs its worlds; the others only their draws and judges,
-    counted as a third of one."""
-    groups: dict[Generator, list[Property]] = {}
-    for prop in todo:
-        groups.setdefault(prop.scenarios, []).append(prop)
-    loads = [0.0] * workers
-    chosen: list[list[Property]] = [[] for _ in range(workers)]
-    for group in sorted(groups.values(), key=len, reverse=True):
-        worker = loads.index(min(loads))
-        loads[worker] += 1 + (len(group) - 1) / 3
-        chosen[worker].extend(group)
-    order = {prop.id: i for i, prop in enumerate(todo)}
-    return [sorted(share, key=lambda p: order[p.id]) for share in chosen if share]

@@ -35,11 +35,11 @@ def test_auto_is_the_default_and_numbers_are_at_least_one() -> None:
 
 
 @pytest.mark.parametrize(
-    "requested, tier, cores, properties, expected",
+    "requested, tier, cores, groups, expected",
     [
         (AUTO, "inprocess", 2, 20, 2),  # one process per world: a worker per core
         (AUTO, "inprocess", 16, 20, 16),
-        (AUTO, "inprocess", 16, 3, 3),  # never more than the properties
+        (AUTO, "inprocess", 16, 3, 3),  # never more than the groups of properties
         (8, "inprocess", 2, 20, 2),  # never more than the cores
         (1, "inprocess", 16, 20, 1),
         (AUTO, "process", 2, 20, 1),  # a 6-rank world already fills 2 cores
@@ -48,9 +48,9 @@ def test_auto_is_the_default_and_numbers_are_at_least_one() -> None:
         (4, "process", 64, 20, 4),
     ],
 )
-def test_the_rule(requested: Any, tier: Any, cores: int, properties: int, expected: int) -> None:
+def test_the_rule(requested: Any, tier: Any, cores: int, groups: int, expected: int) -> None:
     assert largest_world(CI) == 6
-    count, why = worker_count(requested, tier=tier, effort=CI, properties=properties, cores=cores)
+    count, why = worker_count(requested, tier=tier, effort=CI, groups=groups, cores=cores)
     assert count == expected, why
     assert f"{cores} usable core(s)" in why
 

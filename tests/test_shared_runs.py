@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipemetrics.properties.catalogue import BY_ID, CATALOGUE
+from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.engine import RunOptions, run_property
-from pipemetrics.properties.shared import Runner, SharedRuns, shares
+from pipemetrics.properties.shared import Runner, SharedRuns
 from pipemetrics.sim.model.calls import RoundUpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario, Step
@@ -85,22 +85,3 @@ def test_a_run_is_shared_only_by_the_same_scenario(pool: TrackingPool) -> None:
     other = runs.run(_scenario(6).model_copy(update={"property": "a"}))
     assert again is first and other is not first
     assert len(counting.scenarios) == 2 and (runs.runs, runs.shared) == (2, 1)
-
-
-def test_shares_keep_a_generator_in_one_worker() -> None:
-    """Every property lands in exactly one share, in catalogue order there, and the properties
-    of one generator in the same one; one worker gets everything."""
-    todo = list(CATALOGUE)
-    assert shares(todo, 1) == [todo]
-    for workers in (2, 3, 4):
-        split = shares(todo, workers)
-        assert len(split) == workers
-        assert sorted(p.id for share in split for p in share) == sorted(p.id for p in todo)
-        for share in split:
-            assert share == [p for p in todo if p in share]
-        for prop in todo:
-            holding = [i for i, share in enumerate(split) if prop in share]
-            together = [
-                i for i, share in enumerate(split) for p in share if p.scenarios == prop.scenarios
-            ]
-            assert set(together) == set(holding)
