@@ -48,6 +48,8 @@ def argv_for(
         if type(action) is argparse._StoreTrueAction:
             options.append(_flag(action, flag))
         elif type(action) is argparse._ExtendAction:
+            if not value:  # `--only` alone is refused by its parser: no argv gives []
+                raise ValueError(f"{action.dest}: no argv sets it to an empty list")
             options += [_flag(action, flag), *(_text(action, item) for item in value)]
         elif type(action) is argparse._AppendAction:
             if default:  # argparse appends to a non-empty default: it could never round-trip

@@ -103,7 +103,7 @@ def measure_prove(plan: Plan, results: Results) -> bool:
     """Time ``pipemetrics prove`` on the reference at the plan's bound (the default bound, or
     the quick plan's two single-rank families); False when it was not usable."""
     tier = "process" if inprocess_unsupported() is not None else "inprocess"
-    families = list(plan.prove_families)
+    families = list(plan.prove_families) or None  # None: the whole default bound
     results.prove_s = _timed_command(
         plan, results, "prove", prove_options.COMMAND, tier=tier, families=families
     )

@@ -161,12 +161,11 @@ def _err(text: str) -> None:
     sys.stderr.flush()
 
 
-def _outcome_line(index: int, total: int, result: PropertyResult) -> str:
+def _outcome_line(place: str, result: PropertyResult) -> str:
     extra = f" ({result.message.splitlines()[0][:160]})" if result.message else ""
     label = f"{result.status} (xfail)" if result.xfail else result.status
     return (
-        f"[{index}/{total}] {result.id}: {label}, {result.examples} examples, "
-        f"{result.seconds:.1f} s{extra}"
+        f"[{place}] {result.id}: {label}, {result.examples} examples, {result.seconds:.1f} s{extra}"
     )
 
 
@@ -174,12 +173,12 @@ def _not_run(prop: Property, status: str, message: str) -> PropertyResult:
     return PropertyResult(prop.id, prop.function, status, message=message)  # type: ignore[arg-type]
 
 
-Numbered = list[tuple[int, Property]]
-"""Properties with their place in the run's numbering (1-based)."""
+Numbered = list[tuple[str, Property]]
+"""Properties with their place in the run's numbering (``"3/20"``)."""
 
 
 def _run_here(
-    batches: Iterable[Numbered], total: int, options: RunOptions, coverage: Coverage
+    batches: Iterable[Numbered], options: RunOptions, coverage: Coverage
 ) -> list[PropertyResult]:
     """Run ``batches`` in this process, each scenario run once however many properties draw it
     (`pipemetrics.properties.shared`); on the in-process tier, the referee judges a sample of
@@ -195,14 +194,14 @@ def _run_here(
     ):
         runs = SharedRuns(pool)
         for batch in batches:
-            for i, prop in batch:
-                _err(f"[{i}/{total}] {prop.id} ...")
-                progress = _progress_for(f"[{i}/{total}] {prop.id}")
+            for place, prop in batch:
+                _err(f"[{place}] {prop.id} ...")
+                progress = _progress_for(f"[{place}] {prop.id}")
                 result = run_property(
                     prop, runs, replace(options, progress=progress), coverage, confirm_pool
                 )
                 results.append(result)
-                _err(_outcome_line(i, total, result))
+                _err(_outcome_line(place, result))
         _err(
             f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
             "(drawn again, or by another property of the same generator)"
@@ -315,7 +314,11 @@ def _queued(todo: list[Property], absent: dict[str, PropertyResult]) -> Iterator
     results)."""
     by_id = {p.id: p for p in todo}
     for group in read_groups(sys.stdin):
-        yield [(group.first + k, by_id[i]) for k, i in enumerate(group.ids) if i not in absent]
+        yield [
+            (f"{group.first + k}/{group.total}", by_id[i])
+            for k, i in enumerate(group.ids)
+            if i not in absent
+        ]
         say_done(sys.stdout)
 
 
@@ -427,8 +430,12 @@ def run_check(args: argparse.Namespace) -> int:
                 f"{len(todo)} properties to run, {len(results)} absent or skipped; "
                 f"{workers} worker(s) ({why})"
             )
-        batches = _queued(todo, absent) if args.worker_queue else [list(enumerate(todo, start=1))]
-        ran = _run_here(batches, len(todo) + len(absent), options, coverage)
+        batches = (
+            _queued(todo, absent)
+            if args.worker_queue
+            else [[(f"{i}/{len(todo)}", prop) for i, prop in enumerate(todo, start=1)]]
+        )
+        ran = _run_here(batches, options, coverage)
     for result in ran:
         result.xfail = result.id in selection.xfail and result.status == "fail"
         if result.id in selection.xfail and result.status == "pass":

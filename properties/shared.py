@@ -22,8 +22,9 @@ from pipemetrics.sim.worlds.world import WorldRun
 
 KEPT_RUNS = 2048
 """Runs kept (least recently used dropped first): more than one property's examples and its
-combinations at every effort, so a property's runs are still there for the next property of its
-generator."""
+combinations under every Hypothesis profile's default (1,000 examples at most), so a property's
+runs are still there for the next property of its generator; with a larger ``--max-examples``
+the later properties of a generator share fewer runs (never judge fewer scenarios)."""
 
 
 class Runner(Protocol):

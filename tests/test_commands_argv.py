@@ -108,6 +108,16 @@ def test_a_value_like_an_option_travels_attached_or_is_refused() -> None:
         command_args(CHECK, sedd=3)
 
 
+def test_an_empty_list_is_refused_not_written_as_a_bare_option() -> None:
+    """An option of several values takes at least one: `--only` alone does not parse, so an
+    empty list raises instead of giving a child a command line it refuses."""
+    parser = command_parser("check")
+    with pytest.raises(ValueError, match="only: no argv sets it to an empty list"):
+        argv_for(parser, command_args(CHECK, only=[]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--only"])
+
+
 def test_a_subcommand_parses_its_options_alone_as_the_full_parser_does() -> None:
     """`Subcommand.parser` (what `argv` reads) declares the same options as the command's
     subparser in ``pipemetrics``'s parser, for every subcommand of the table."""
