@@ -73,15 +73,6 @@ class Generator:
         return self.strategy(effort, **kwargs)
 
 
-def generator(
-    strategy: Callable[..., st.SearchStrategy[Scenario]],
-    *,
-    semantic: bool = True,
-    **options: object,
-) -> Generator:
-    return Generator(strategy, tuple(sorted(options.items())), semantic)
-
-
 @dataclass(frozen=True)
 class Property:
     id: str
@@ -100,16 +91,21 @@ class Property:
         return (self.function, *self.also_calls)
 
 
+def _with(strategy: Callable[..., st.SearchStrategy[Scenario]], **options: object) -> Generator:
+    """The generator of ``strategy`` with ``options`` (and the semantic profile)."""
+    return Generator(strategy, tuple(sorted(options.items())))
+
+
 def _moe(**options: object) -> Generator:
-    return Generator(s.moe_scenarios, tuple(sorted(options.items())))
+    return _with(s.moe_scenarios, **options)
 
 
 def _mtp(**options: object) -> Generator:
-    return Generator(s.mtp_scenarios, tuple(sorted(options.items())))
+    return _with(s.mtp_scenarios, **options)
 
 
 def _broadcast(mode: str) -> Generator:
-    return generator(s.broadcast_scenarios, mode=mode)
+    return _with(s.broadcast_scenarios, mode=mode)
 
 
 MOE = "get_moe_metrics"
@@ -163,7 +159,7 @@ CATALOGUE: tuple[Property, ...] = (
         "_round_up_to_multiple",
         "the least multiple of `multiple` that is >= value, as an int",
         '"_round_up_to_multiple(value: int, multiple: int) -> int": rounds value up to a multiple',
-        generator(s.round_up_scenarios, semantic=False),
+        Generator(s.round_up_scenarios, semantic=False),
         j.checked(j.round_up_least_multiple),
     ),
     Property(
@@ -218,7 +214,7 @@ CATALOGUE: tuple[Property, ...] = (
         'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open, '
         "its place when returned is not: the router records it first; a z_loss the router does "
         "not record, without moe_z_loss_coeff, is never one of them)",
-        generator(s.track_names_scenarios, semantic=False),
+        Generator(s.track_names_scenarios, semantic=False),
         j.checked(j.track_names_parity),
     ),
     Property(
@@ -296,7 +292,7 @@ CATALOGUE: tuple[Property, ...] = (
         MOE,
         "values equal the oracle when megatron-core's real routers fill the tracker",
         DOC_MOE_RETURNS + ", on trackers filled by megatron-core's TopKRouter itself",
-        generator(s.router_scenarios),
+        _with(s.router_scenarios),
         j.checked(j.moe_all_values),
     ),
     Property(
@@ -360,7 +356,7 @@ CATALOGUE += (
         "get_mtp_metrics in either order, some steps calling one or none: no hang, and every "
         "call returns the oracle's values for what was recorded since the previous call",
         DOC_PREINIT + " / " + DOC_MTP_RETURNS + "; " + MEGATRON_CLEARS,
-        generator(s.interleaved_scenarios),
+        _with(s.interleaved_scenarios),
         j.checked(j.interleaved_values),
         also_calls=(MTP,),
     ),

@@ -35,7 +35,11 @@ def _run_script(out: Path, tmp: Path, timeout: float) -> subprocess.CompletedPro
         HYPOTHESIS_STORAGE_DIRECTORY=str(tmp / ".hypothesis"),  # not in the checkout
         TMPDIR=str(tmp),
     )
-    return run_bounded(["bash", str(EXAMPLE / "run-locally.sh")], cwd=tmp, env=env, timeout=timeout)
+    # seeded, so that the test is the same run every time (the planted deadlock is first drawn
+    # by example 3 to 24 over seeds 1-12 at these settings; the example's budget of 100 leaves
+    # an unseeded adopter's run the margin)
+    command = ["bash", str(EXAMPLE / "run-locally.sh"), "--seed", "1"]
+    return run_bounded(command, cwd=tmp, env=env, timeout=timeout)
 
 
 @pytest.mark.skipif(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run, from this example repository's root, the command its CI job runs: .github/workflows/ci.yml
 # calls the pipemetrics action (ci/action/action.yml) with
-#   impl: toytrainer/megatron/common.py   args: --max-examples 25
+#   impl: toytrainer/megatron/common.py   args: --max-examples 100
 # and the action runs exactly this `pipemetrics check` line, then renders the job summary.
 #
 # Expected: exit 1. toytrainer's get_moe_metrics returns early on a stage without MoE layers,
@@ -33,7 +33,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 
 IMPL=toytrainer/megatron/common.py
 PROFILE=seed
-ARGS="--max-examples 25"
+ARGS="--max-examples 100"
 
 set -x
 # shellcheck disable=SC2086  # ARGS is split into arguments, as in the action
