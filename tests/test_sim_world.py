@@ -529,12 +529,18 @@ def test_a_fork_server_started_on_its_own_preloads_the_rank_code(bounds: Bounds)
     rank code, or each rank imports them itself (seconds a rank, for the process's life)."""
     script = textwrap.dedent(
         """
+        import time
         from multiprocessing import forkserver
         from pipemetrics.sim.worlds.world import PRELOAD, start_forkserver, stop_forkserver
         start_forkserver()
         pid = forkserver._forkserver._forkserver_pid
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            command = handle.read().decode()
+        # the server is forked, then execs its own command line: until then /proc shows ours
+        while True:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                command = handle.read().decode()
+            if "forkserver import main" in command:  # its main, not this script
+                break
+            time.sleep(0.01)
         stop_forkserver()
         print("preloads", all(repr(name) in command for name in PRELOAD))
         """
