@@ -7,9 +7,10 @@ it (`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it ma
 exactly those scenarios again in a fresh pool with `RunMode.ALONE`: every rank's own work
 (Megatron's recording, the target's calls, the snapshots) while collectives move no data and
 nothing is scheduled, matched or judged, the ceiling of any in-process tier. The ceiling's
-worlds are started before its clock starts, a shape at a time (check pays for its own starts). Both are reported as
-scenarios judged per second over the same judged scenarios and world sizes, and their ratio
-(the ceiling's time over check's: the share of check's time that is the ranks' own work).
+worlds are started before its clock starts, a shape at a time (check pays for its own starts).
+Both are reported as scenarios judged per second over the same judged scenarios and world
+sizes, and their ratio (the ceiling's time over check's: the share of check's time that is the
+ranks' own work).
 
 Where the installed megatron-core cannot run the in-process tier it is left out, with why.
 """

@@ -108,8 +108,8 @@ class RunOptions:
     seed: int | None = None
     """The user's seed (``--seed``): the draws, and no example database."""
     draws_seed: int = field(default_factory=lambda: random.getrandbits(32))
-    """The seed of every property's draws in this run: ``seed`` when given, else one drawn for
-    the run, so that properties of one generator draw the same scenarios and share their runs
+    """The seed of every property's draws in this run where no ``seed`` is given (one drawn
+    per run), so that properties of one generator draw the same scenarios and share their runs
     (`pipemetrics.properties.shared`); the example database still replays each property's
     earlier failures first."""
     database: str | None = None
