@@ -12,7 +12,7 @@ under test.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 from hypothesis import strategies as st
@@ -85,6 +85,14 @@ __all__ = [
 
 Semantic = Literal["seed", "megatron", "strict"]
 
+
+def sampled[T](values: Iterable[T]) -> st.SearchStrategy[T]:
+    """``st.sampled_from`` of ``values`` as a tuple: Hypothesis reuses the strategy it built for
+    hashable arguments, where a list builds and validates a new one at every draw (the same
+    draws either way)."""
+    return st.sampled_from(tuple(values))
+
+
 # -- worlds ------------------------------------------------------------------------------------
 
 
@@ -124,7 +132,7 @@ def splits(
     layouts_ok = not mtp_num_layers or installed_features().layout_takes_mtp
     kinds += ["layout"] if pp > 1 and flexible and layouts_ok else []
     kinds += ["virtual"] if pp > 1 and max_vpp > 1 and layouts_ok else []
-    kind = draw(st.sampled_from(kinds))
+    kind = draw(sampled(kinds))
     if kind == "layout":
         return draw(layer_layouts(pp, 1, max_per_stage, mtp_num_layers))
     if kind == "virtual":
@@ -180,7 +188,7 @@ def moe_patterns(draw: st.DrawFn, num_layers: int) -> int | list[Literal[0, 1]]:
     if draw(st.booleans()):
         return draw(st.integers(1, 3))
     pattern: list[Literal[0, 1]] = draw(
-        st.lists(st.sampled_from([0, 1]), min_size=num_layers, max_size=num_layers)
+        st.lists(st.sampled_from((0, 1)), min_size=num_layers, max_size=num_layers)
     )
     if 1 not in pattern:
         pattern[draw(st.integers(0, num_layers - 1))] = 1
@@ -205,15 +213,15 @@ def routing_configs(
     types = [t for t in ROUTING_TYPES if (sinkhorn or t != "sinkhorn") and router.runs(t)]
     aux_types = [t for t in AUX_LOSS_TYPES if t in types]
     if not router.type_lists or draw(st.booleans()):
-        routing: RoutingType | list[RoutingType] = draw(st.sampled_from(types))
+        routing: RoutingType | list[RoutingType] = draw(sampled(types))
         coeff: float | list[float] = draw(COEFFICIENTS)
         if routing == "sinkhorn":
             coeff = 0.0
     else:
-        listed = draw(st.lists(st.sampled_from(aux_types), min_size=1, max_size=3, unique=True))
+        listed = draw(st.lists(sampled(aux_types), min_size=1, max_size=3, unique=True))
         routing = listed
         coeff = [draw(COEFFICIENTS) for _ in listed]
-    z = draw(st.sampled_from([None, 0.0, 1e-3])) if z_loss else None
+    z = draw(st.sampled_from((None, 0.0, 1e-3))) if z_loss else None
     return {"routing_type": routing, "aux_loss_coeff": coeff, "z_loss_coeff": z}
 
 
@@ -310,7 +318,7 @@ def loss_scales(
     scales = [scale for scale in LOSS_SCALES if allow_one or scale != 1.0]
     if large:
         scales += LARGE_LOSS_SCALES
-    pick = st.sampled_from(scales)
+    pick = sampled(scales)
     if allow_one or microbatches > 1:
         return st.one_of(st.just(1.0 / microbatches), pick)
     return pick
@@ -340,7 +348,7 @@ def loss_scale_forms(
     )
     if default:
         forms.append("default")
-    return st.sampled_from(forms)
+    return sampled(forms)
 
 
 @st.composite
@@ -412,7 +420,7 @@ def track_names_arguments(draw: st.DrawFn, live: list[str], strict: bool) -> lis
     """``track_names`` as callers pass it: the live names (what the router records), ``None``;
     strict also: ``[]``, a subset (recorded names outside the list) or a superset."""
     forms = ["live", "none"] + (["empty", "subset", "superset"] if strict else [])
-    form = draw(st.sampled_from(forms))
+    form = draw(sampled(forms))
     if form == "live":
         return list(live)
     if form == "none":
@@ -422,7 +430,7 @@ def track_names_arguments(draw: st.DrawFn, live: list[str], strict: bool) -> lis
     if form == "subset":
         return [name for name in live if draw(st.booleans())]
     extra = [name for name in KNOWN_NAMES if name not in live]
-    return list(live) + draw(st.lists(st.sampled_from(extra), unique=True)) if extra else live
+    return list(live) + draw(st.lists(sampled(extra), unique=True)) if extra else live
 
 
 @st.composite
@@ -441,11 +449,11 @@ def moe_arguments(
     mtp_forms: list[int | None] = [mtp] if mtp else [None, 0]
     strict = semantic == "strict"
     if not strict and not every_rank_records_every_name(setup):
-        return layout.num_layers, draw(st.sampled_from(mtp_forms)), live
+        return layout.num_layers, draw(sampled(mtp_forms)), live
     if strict:
         mtp_forms = [mtp, None]
-    num_layers = draw(st.sampled_from([layout.num_layers, None]))
-    return num_layers, draw(st.sampled_from(mtp_forms)), draw(track_names_arguments(live, strict))
+    num_layers = draw(st.sampled_from((layout.num_layers, None)))
+    return num_layers, draw(sampled(mtp_forms)), draw(track_names_arguments(live, strict))
 
 
 @st.composite
@@ -670,7 +678,7 @@ def valid_buffer(shape: list[int], dtype: str) -> BufferSpec:
 @st.composite
 def invalid_buffer(draw: st.DrawFn, shape: list[int], dtype: str) -> BufferSpec:
     """A buffer with the wrong shape, dtype or device."""
-    wrong = draw(st.sampled_from(["shape", "dtype", "device"]))
+    wrong = draw(st.sampled_from(("shape", "dtype", "device")))
     if wrong == "shape":
         other = [*shape, 1] if draw(st.booleans()) or not shape else [shape[0] + 1, *shape[1:]]
         return BufferSpec(shape=other, dtype=dtype)
@@ -712,7 +720,7 @@ def source_views(shape: list[int]) -> st.SearchStrategy[dict[str, bool]]:
         views.append({"non_contiguous": True, "strided": True})
     if len(shape) >= 2:
         views.append({"non_contiguous": True, "strided": False})
-    return st.sampled_from(views)
+    return sampled(views)
 
 
 def _receiver_inputs(
@@ -729,7 +737,7 @@ def _receiver_inputs(
         if not receivers or draw(st.booleans()):
             source_none = True
         else:
-            bad = draw(st.lists(st.sampled_from(receivers), min_size=1, unique=True))
+            bad = draw(st.lists(sampled(receivers), min_size=1, unique=True))
             for rank in bad:
                 buffers[rank] = draw(invalid_buffer(shape, dtype))
     return buffers, source_none
@@ -742,14 +750,14 @@ def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
     last stage, as trainers do), or one ``new_group`` over drawn members from a global source.
     The tensor and buffers are left at their defaults. Needs a world of at least 2 ranks."""
     roles = subgroup_roles(world)
-    form = draw(st.sampled_from((["role"] if roles else []) + ["new_group"]))
+    form = draw(sampled((["role"] if roles else []) + ["new_group"]))
     if form == "role":
         usual = [role for role in ("pp", "dp") if role in roles]
         prefer_usual = bool(usual) and draw(st.booleans())
-        role = draw(st.sampled_from(usual if prefer_usual else roles))
+        role = draw(sampled(usual if prefer_usual else roles))
         size = len(places_for(world)[0].groups[role])
         positions = ([-1] if role == "pp" else []) + list(range(size))
-        return BroadcastCall(group=role, src_group_rank=draw(st.sampled_from(positions)))
+        return BroadcastCall(group=role, src_group_rank=draw(sampled(positions)))
     members = sorted(
         draw(
             st.lists(
@@ -758,7 +766,7 @@ def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
             )
         )
     )  # fmt: skip
-    return BroadcastCall(group=NEW_GROUP, members=members, src_rank=draw(st.sampled_from(members)))
+    return BroadcastCall(group=NEW_GROUP, members=members, src_rank=draw(sampled(members)))
 
 
 @st.composite
@@ -801,7 +809,7 @@ def broadcast_call(
     receivers = [r for r in range(size) if r != src]
     buffers, source_none = _receiver_inputs(draw, receivers, shape, dtype, mode)
     return BroadcastCall(
-        group=draw(st.sampled_from(world_roles(world))),
+        group=draw(sampled(world_roles(world))),
         src_rank=src,
         shape=shape,
         dtype=dtype,

@@ -18,6 +18,7 @@ collection is on).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -68,11 +69,23 @@ def mtp_losses() -> st.SearchStrategy[float]:
     return st.one_of(st.just(0.0), *(st.floats(lo, hi) for lo, hi in bands))
 
 
+TOTAL_TOKENS = st.one_of(st.integers(0, 8), st.integers(0, MAX_TOKENS))
+"""A microbatch's valid tokens of one MTP layer: few or many."""
+
+
+def correct_tokens(total: int) -> st.SearchStrategy[int]:
+    """Tokens predicted correctly of ``total``: all, none or any."""
+    return st.one_of(st.just(total), st.just(0), st.integers(0, total))
+
+
 @st.composite
-def token_counts(draw: st.DrawFn) -> tuple[float, float]:
-    """(correct, total): whole token counts with ``0 <= correct <= total``, small and large."""
-    total = draw(st.one_of(st.integers(0, 8), st.integers(0, MAX_TOKENS)))
-    correct = draw(st.one_of(st.just(total), st.just(0), st.integers(0, total)))
+def token_counts(
+    draw: st.DrawFn, correct_of: Callable[[int], st.SearchStrategy[int]] = correct_tokens
+) -> tuple[float, float]:
+    """(correct, total): whole token counts with ``0 <= correct <= total``, small and large
+    (``correct_of``: `correct_tokens`, or a memo of it)."""
+    total = draw(TOTAL_TOKENS)
+    correct = draw(correct_of(total))
     return float(correct), float(total)
 
 
@@ -178,11 +191,13 @@ def synthetic_records(
     ``masked_mtp``, some MTP layers may have no valid position anywhere (`masked_mtp_layers`)."""
     drawn = values if values is not None else recorded_values()
     masked = draw(masked_mtp_layers(setup)) if masked_mtp else frozenset()
+    # each strategy built once a draw: Hypothesis validates every new one
+    counts, losses = token_counts(functools.cache(correct_tokens)), mtp_losses()
 
     def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:
         if layer in masked:
             return 0.0, 0.0, 0.0
-        correct, total = draw(token_counts())
-        return (draw(mtp_losses()) if total else 0.0), correct, total
+        correct, total = draw(counts)
+        return (draw(losses) if total else 0.0), correct, total
 
     return step_records(setup, lambda *_: draw(drawn), mtp_value)
