@@ -27,7 +27,8 @@ from tempfile import TemporaryDirectory
 from pipemetrics.properties.catalogue import CATALOGUE
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import get_effort
-from pipemetrics.properties.engine import RunOptions, run_property
+from pipemetrics.properties.engine import run_property
+from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.collectives.protocol import RunMode

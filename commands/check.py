@@ -44,18 +44,14 @@ from pipemetrics.commands.worker_queue import Group, dispatch, groups_of, read_g
 from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.drawing import DEFAULT_DATABASE
 from pipemetrics.properties.effort import (
     DEFAULT_EFFORT,
     EFFORT_NAMES,
     GENERATOR_CLASSES,
     get_effort,
 )
-from pipemetrics.properties.engine import (
-    DEFAULT_DATABASE,
-    PropertyResult,
-    RunOptions,
-    run_property,
-)
+from pipemetrics.properties.engine import PropertyResult, run_property
 from pipemetrics.properties.referee import Referee
 from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
@@ -68,6 +64,7 @@ from pipemetrics.properties.report import (
     write_junit,
     write_markdown,
 )
+from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.tier import CHECK_TIER, check_tier

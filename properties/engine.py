@@ -9,8 +9,6 @@ failing scenario is written with `save_scenario` for ``pipemetrics replay``.
 
 from __future__ import annotations
 
-import os
-import random
 import time
 import traceback
 from collections.abc import Callable
@@ -19,25 +17,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hypothesis import example as explicit_example
-from hypothesis import given
-from hypothesis import seed as hypothesis_seed
-from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 from hypothesis.errors import Flaky
 from hypothesis.reporting import with_reporter
 
+from pipemetrics.properties.ahead import judge_ahead
 from pipemetrics.properties.catalogue import BY_ID, Property
-from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
-from pipemetrics.properties.effort import Effort, hypothesis_settings
+from pipemetrics.properties.drawing import (
+    as_judged,
+    draws_independent_of_local_code,
+    property_test,
+    run_database,
+)
+from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.shared import Runner
-from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
 from pipemetrics.sim.model.scenario import Scenario, replay_command, save_scenario
 from pipemetrics.sim.results.summary import layout_picture, what_ranks_did
-from pipemetrics.sim.worlds.pool import Tier
-from pipemetrics.sim.worlds.world import WorldRun, WorldStartError
+from pipemetrics.sim.worlds.world import WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
 MAX_PROBLEM_LINES = 12
@@ -97,31 +95,6 @@ def _cites(property_id: str) -> str | None:
     return prop.cites if prop is not None else None
 
 
-@dataclass
-class RunOptions:
-    target: str
-    profile: Semantic
-    """The semantic profile: what the suite requires (seed, megatron, strict)."""
-    effort: Effort
-    """How hard it searches (the Hypothesis profile: examples, shapes, budgets)."""
-    max_examples: int | None = None
-    seed: int | None = None
-    """The user's seed (``--seed``): the draws, and no example database."""
-    draws_seed: int = field(default_factory=lambda: random.getrandbits(32))
-    """The seed of every property's draws in this run where no ``seed`` is given (one drawn
-    per run), so that properties of one generator draw the same scenarios and share their runs
-    (`pipemetrics.properties.shared`); the example database still replays each property's
-    earlier failures first."""
-    database: str | None = None
-    report_dir: Path = Path("pipemetrics-report")
-    progress: Callable[[str], None] | None = None
-    """Told (one line) when a property first fails and shrinking begins."""
-    tier: Tier = "process"
-    """Where examples run; a failure found in-process is confirmed on the process tier."""
-    observe: Callable[[Scenario, WorldRun], None] | None = None
-    """Shown every scenario run and its run (check's referee samples the in-process runs)."""
-
-
 class PropertyFailed(AssertionError):
     """A judge found problems (raised inside the Hypothesis test so that it shrinks)."""
 
@@ -142,18 +115,6 @@ class _State:
     seen: list[Scenario] = field(default_factory=list)
 
 
-DEFAULT_DATABASE = os.environ.get(
-    "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
-)
-"""Where Hypothesis' example database lives unless a run names another (or 'none')."""
-
-
-def make_database(path: str | None) -> ExampleDatabase | None:
-    if path is None or path.lower() == "none":
-        return None
-    return DirectoryBasedExampleDatabase(str(Path(path).expanduser()))
-
-
 @contextmanager
 def shrink_budget(seconds: float) -> Any:
     """Cap Hypothesis's wall-clock shrinking time (its default is five minutes)."""
@@ -169,44 +130,12 @@ def shrink_budget(seconds: float) -> Any:
             engine.MAX_SHRINKING_SECONDS = original
 
 
-@contextmanager
-def draws_independent_of_local_code() -> Any:
-    """Make a seeded run draw the same examples wherever it runs.
-
-    Hypothesis also draws (5% of numeric and text choices) from the literals of the *local*
-    modules imported so far, that is, every module outside site-packages and the standard
-    library: the target under test, the adopter's test files, and pipemetrics itself when it is
-    installed editable. The same ``--seed`` then draws different examples in a wheel install and
-    in a checkout, after an edit to the target, or after a module of either gained a constant.
-    Draws here come only from the strategies and Hypothesis's own constants."""
-    try:
-        from hypothesis.internal.conjecture import providers
-    except ImportError:  # pragma: no cover - Hypothesis reorganised its internals
-        yield
-        return
-    original = getattr(providers, "_get_local_constants", None)
-    cache = getattr(providers, "CONSTANTS_CACHE", None)
-    if original is None or cache is None or not hasattr(providers, "Constants"):
-        yield  # a Hypothesis without local constants: its draws already are independent
-        return
-    empty = providers.Constants()
-    providers._get_local_constants = lambda: empty
-    cache.cache.clear()  # filtered constants already cached would still hold local ones
-    try:
-        yield
-    finally:
-        providers._get_local_constants = original
-        cache.cache.clear()
-
-
 def _example_runner(
     prop: Property, pool: Runner, options: RunOptions, coverage: Coverage, state: _State
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
-        scenario = scenario.model_copy(
-            update={"target": options.target, "property": prop.id, "profile": options.profile}
-        )
+        scenario = as_judged(scenario, prop, options)
         state.examples += 1
         coverage.add(scenario)
         try:
@@ -230,9 +159,6 @@ def _example_runner(
             )
             raise PropertyFailed("; ".join(problems[:3]))
 
-    example._hypothesis_internal_add_digest = (  # type: ignore[attr-defined]
-        f"pipemetrics:{prop.id}:{options.profile}".encode()
-    )
     return example
 
 
@@ -264,23 +190,18 @@ def run_property(
     properties of one generator share them). ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
     again before it is reported (`confirm_failure`)."""
     effort = options.effort
+    began = time.monotonic()
+    passed = judge_ahead(prop, pool, options)
+    if passed is not None:
+        coverage.merge({"scenarios": passed.coverage.scenarios, "counts": passed.coverage.counts})
+        return PropertyResult(
+            prop.id, prop.function, "pass", examples=passed.examples,
+            seconds=time.monotonic() - began,
+        )  # fmt: skip
     state = _State()
     example = _example_runner(prop, pool, options, coverage, state)
-    test = given(prop.scenarios(effort, options.profile))(example)
-    # combinations of two conditions run first, at their floor (properties.combinations)
-    for combination in reversed(combinations_for(prop.id, effort)):
-        built = combination.scenarios(effort, options.profile, prop.id)
-        coverage.expect(combination.name, len(built))
-        for scenario in reversed(built):
-            test = explicit_example(scenario)(test)
-    test = hypothesis_settings(
-        effort,
-        effort.examples_for(options.max_examples),
-        database=None if options.seed is not None else make_database(options.database),
-    )(test)
-    test = hypothesis_seed(options.seed if options.seed is not None else options.draws_seed)(test)
+    test = property_test(prop, example, options, coverage, run_database(options))
     result = PropertyResult(prop.id, prop.function, "pass")
-    began = time.monotonic()
     flaky = False
     said: list[str] = []
     try:

@@ -50,7 +50,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     """``check``'s options as ``--pipemetrics-NAME``, with the same choices and defaults
     (taken from the same definitions)."""
     from pipemetrics.properties.catalogue import SEMANTIC_PROFILES
-    from pipemetrics.properties.engine import DEFAULT_DATABASE
+    from pipemetrics.properties.drawing import DEFAULT_DATABASE
     from pipemetrics.properties.tier import CHECK_TIER
     from pipemetrics.sim.model.scenario import DEFAULT_TARGET
     from pipemetrics.sim.worlds.pool import TIERS
@@ -131,7 +131,7 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
     from pathlib import Path
 
     from pipemetrics.properties.effort import get_effort
-    from pipemetrics.properties.engine import RunOptions
+    from pipemetrics.properties.run_options import RunOptions
     from pipemetrics.properties.tier import check_tier
     from pipemetrics.sim.model.target import resolve_target
 

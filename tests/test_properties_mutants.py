@@ -46,7 +46,7 @@ _NO_COUNTS = pytest.mark.skipif(
 #: 500 examples on, what a seed draws no longer depends on the budget, and the example at which
 #: a bug is first found (the report's ``found_at``), measured once with a large budget, holds.
 #: It also does not depend on the install or on literals in the code
-#: (engine.draws_independent_of_local_code), but does on Hypothesis's version (pinned in
+#: (drawing.draws_independent_of_local_code), but does on Hypothesis's version (pinned in
 #: ci/constraints.txt), on the strategies and on the release (the generators draw only what it
 #: can build): re-measure after changing any of them. With 500, every mutant outside `EXAMPLES`
 #: is found by example 152 or earlier on every release 0.13.1-0.19.2 (measured 2026-12-03:

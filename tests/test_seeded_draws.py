@@ -1,4 +1,4 @@
-"""A seeded run draws the same examples wherever it runs (engine.draws_independent_of_local_code).
+"""A seeded run draws the same examples wherever it runs (drawing.draws_independent_of_local_code).
 
 Hypothesis also draws from the literals of the local modules imported so far (the target under
 test, pipemetrics itself when installed editable). These tests import a fresh local module full
@@ -18,7 +18,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from pipemetrics.properties.engine import draws_independent_of_local_code
+from pipemetrics.properties.drawing import draws_independent_of_local_code
 
 providers = pytest.importorskip("hypothesis.internal.conjecture.providers")
 if not hasattr(providers, "_get_local_constants"):

@@ -9,7 +9,8 @@ from pathlib import Path
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
-from pipemetrics.properties.engine import RunOptions, run_property
+from pipemetrics.properties.engine import run_property
+from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import Runner, SharedRuns
 from pipemetrics.sim.model.calls import RoundUpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup

@@ -1,0 +1,128 @@
+"""Judging ahead: a property's passing run with the drawing and the worlds at work together.
+
+Hypothesis draws an example, waits for the test to return, draws the next: drawing (CPU in this
+process) and running the world (in the world's own process) would take turns. `judge_ahead`
+runs the property's Hypothesis test (`pipemetrics.properties.drawing.property_test`, the same
+strategy, combinations, settings and seed) with a test that only hands each drawn scenario to
+a thread, which runs and judges it while Hypothesis draws the next. Hypothesis's next draw
+depends only on what it drew before and on each example's outcome, so as long as every
+example passes, this pass draws exactly the scenarios the real test would: when every
+judgement passes, it *is* the property's run (its examples, coverage and verdict).
+
+At the first example that does not pass (a failure, a world that did not start, any error,
+in Hypothesis or in the judging), the drawing stops and the pass says nothing: the property is
+run again by its real test (`pipemetrics.properties.engine.run_property`), which draws the
+same scenarios up to that one (their runs kept by `pipemetrics.properties.shared.SharedRuns`,
+not run twice), meets the failure at the same example and shrinks it as always. The example
+database is only read here (a failure it holds is replayed first, as by the real test); what
+to keep in it is the real test's business.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from hypothesis.database import ReadOnlyDatabase
+from hypothesis.reporting import with_reporter
+
+from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.drawing import (
+    as_judged,
+    draws_independent_of_local_code,
+    property_test,
+    run_database,
+)
+from pipemetrics.properties.run_options import RunOptions
+from pipemetrics.properties.shared import Runner
+from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
+from pipemetrics.sim.model.scenario import Scenario
+
+AHEAD = 16
+"""Scenarios drawn and not yet judged, at most: what the drawing may be ahead of the worlds
+(and what it draws in vain past a failure)."""
+
+
+@dataclass
+class Passed:
+    """A property's run in which every example passed."""
+
+    examples: int
+    coverage: Coverage
+
+
+class _Enough(BaseException):
+    """Ends the drawing once an example did not pass (a BaseException, which Hypothesis does
+    not take for the test's failure, so it neither shrinks nor reports it)."""
+
+
+@dataclass
+class _Judging:
+    """The thread's side: runs and judges the drawn scenarios in order."""
+
+    prop: Property
+    runner: Runner
+    options: RunOptions
+    coverage: Coverage
+    drawn: queue.Queue[Scenario | None] = field(default_factory=lambda: queue.Queue(AHEAD))
+    examples: int = 0
+    stopped: str | None = None
+    """Why the judging stopped early (None: every example so far passed)."""
+    cancelled: bool = False
+
+    def work(self) -> None:
+        while (scenario := self.drawn.get()) is not None:
+            if self.stopped is None and not self.cancelled:
+                self.stopped = self._judge(scenario)
+
+    def _judge(self, drawn: Scenario) -> str | None:
+        try:
+            scenario = as_judged(drawn, self.prop, self.options)
+            self.coverage.add(scenario)
+            run = self.runner.run(scenario)
+            self.coverage.add_run(run)
+            if self.options.observe is not None:
+                self.options.observe(scenario, run)
+            problems = self.prop.judge(scenario, run)
+        except BaseException as exc:  # whatever it was, the real test meets it again
+            return f"{type(exc).__name__} at example {self.examples + 1}"
+        if problems:
+            return f"failed at example {self.examples + 1}"
+        self.examples += 1
+        return None
+
+
+def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed | None:
+    """The property's run if every example passes; None as soon as one does not (the caller
+    runs the real test). Interruptions propagate."""
+    database = run_database(options)
+    judging = _Judging(prop, runner, options, Coverage())
+
+    def example(scenario: Scenario) -> None:
+        raise_if_interrupted()
+        if judging.stopped is not None:
+            raise _Enough
+        judging.drawn.put(scenario)
+
+    test = property_test(
+        prop, example, options, judging.coverage,
+        None if database is None else ReadOnlyDatabase(database),
+    )  # fmt: skip
+    thread = threading.Thread(target=judging.work, name="pipemetrics-judge-ahead", daemon=True)
+    thread.start()
+    drawn_to_the_end = False
+    try:
+        with draws_independent_of_local_code(), with_reporter(lambda _said: None):
+            test()
+        drawn_to_the_end = True
+    except (_Enough, Exception):
+        pass  # an example that did not pass, or an error of Hypothesis's: the real test's
+    finally:
+        judging.cancelled = not drawn_to_the_end  # what is still queued is not judged then
+        judging.drawn.put(None)  # the thread ends after the last scenario queued
+        thread.join()
+    if not drawn_to_the_end or judging.stopped is not None:
+        return None
+    return Passed(judging.examples, judging.coverage)

@@ -1,0 +1,109 @@
+"""The Hypothesis test of one property: its scenarios drawn the same way by every pass.
+
+`property_test` builds the ``@given`` test that draws a property's scenarios (its combinations
+of two conditions first, at their floor: `pipemetrics.properties.combinations`), under its
+settings and the run's seed. Both passes over a property build it here, so that they draw the
+same scenarios in the same order: the look-ahead pass that runs and judges them beside the
+drawing (`pipemetrics.properties.ahead`) and the pass that shrinks a failure
+(`pipemetrics.properties.engine`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hypothesis import example as explicit_example
+from hypothesis import given
+from hypothesis import seed as hypothesis_seed
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+
+from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.combinations import combinations_for
+from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.effort import hypothesis_settings
+from pipemetrics.properties.run_options import RunOptions
+from pipemetrics.sim.model.scenario import Scenario
+
+DEFAULT_DATABASE = os.environ.get(
+    "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
+)
+"""Where Hypothesis' example database lives unless a run names another (or 'none')."""
+
+
+def make_database(path: str | None) -> ExampleDatabase | None:
+    if path is None or path.lower() == "none":
+        return None
+    return DirectoryBasedExampleDatabase(str(Path(path).expanduser()))
+
+
+def run_database(options: RunOptions) -> ExampleDatabase | None:
+    """The run's example database: none under ``--seed`` (the draws are the seed's alone)."""
+    return None if options.seed is not None else make_database(options.database)
+
+
+def as_judged(scenario: Scenario, prop: Property, options: RunOptions) -> Scenario:
+    """A drawn scenario as the run judges it: naming the target, the property, the profile."""
+    return scenario.model_copy(
+        update={"target": options.target, "property": prop.id, "profile": options.profile}
+    )
+
+
+def property_test(
+    prop: Property,
+    example: Callable[[Scenario], None],
+    options: RunOptions,
+    coverage: Coverage,
+    database: ExampleDatabase | None,
+) -> Callable[[], None]:
+    """``example`` as the property's Hypothesis test (``coverage`` told each combination's
+    floor). Run it inside `draws_independent_of_local_code`."""
+    effort = options.effort
+    example._hypothesis_internal_add_digest = (  # type: ignore[attr-defined]
+        f"pipemetrics:{prop.id}:{options.profile}".encode()
+    )
+    test = given(prop.scenarios(effort, options.profile))(example)
+    for combination in reversed(combinations_for(prop.id, effort)):
+        built = combination.scenarios(effort, options.profile, prop.id)
+        coverage.expect(combination.name, len(built))
+        for scenario in reversed(built):
+            test = explicit_example(scenario)(test)
+    test = hypothesis_settings(
+        effort, effort.examples_for(options.max_examples), database=database
+    )(test)
+    seeded: Callable[[], None] = hypothesis_seed(
+        options.seed if options.seed is not None else options.draws_seed
+    )(test)
+    return seeded
+
+
+@contextmanager
+def draws_independent_of_local_code() -> Iterator[None]:
+    """Make a seeded run draw the same examples wherever it runs.
+
+    Hypothesis also draws (5% of numeric and text choices) from the literals of the *local*
+    modules imported so far, that is, every module outside site-packages and the standard
+    library: the target under test, the adopter's test files, and pipemetrics itself when it is
+    installed editable. The same ``--seed`` then draws different examples in a wheel install and
+    in a checkout, after an edit to the target, or after a module of either gained a constant.
+    Draws here come only from the strategies and Hypothesis's own constants."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - Hypothesis reorganised its internals
+        yield
+        return
+    original = getattr(providers, "_get_local_constants", None)
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if original is None or cache is None or not hasattr(providers, "Constants"):
+        yield  # a Hypothesis without local constants: its draws already are independent
+        return
+    empty = providers.Constants()
+    providers._get_local_constants = lambda: empty
+    cache.cache.clear()  # filtered constants already cached would still hold local ones
+    try:
+        yield
+    finally:
+        providers._get_local_constants = original
+        cache.cache.clear()

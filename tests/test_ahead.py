@@ -1,0 +1,136 @@
+"""Judging ahead (`pipemetrics.properties.ahead`): the pass that runs and judges each drawn
+scenario while Hypothesis draws the next one draws exactly what the property's real test draws,
+so a property reports the same with it as without it (the real test alone), and a failure it
+finds is found again by the real test at the same example, on runs already made."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.properties import ahead, engine
+from pipemetrics.properties.catalogue import BY_ID
+from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.effort import EFFORTS
+from pipemetrics.properties.engine import PropertyResult, run_property
+from pipemetrics.properties.run_options import RunOptions
+from pipemetrics.properties.shared import SharedRuns
+from pipemetrics.sim.collectives.interrupt import Interrupted
+from pipemetrics.sim.model.scenario import DEFAULT_TARGET
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+
+from .broken.mutants import write_mutant
+from .conftest import TrackingPool, tracking_pool
+from .test_shared_runs import Counting
+
+
+@pytest.fixture(scope="module")
+def some_pool() -> Iterator[TrackingPool]:
+    """The in-process tier where the installed megatron-core runs it (faster), else processes:
+    judging ahead is the same on either."""
+    with tracking_pool("process" if inprocess_unsupported() else "inprocess") as tracking:
+        yield tracking
+
+
+def options(target: str, tmp_path: Path, max_examples: int) -> RunOptions:
+    effort = dataclasses.replace(EFFORTS["ci"], shrink_budget_s=3.0)
+    return RunOptions(
+        target=target, profile="seed", effort=effort, max_examples=max_examples,
+        database="none", report_dir=tmp_path, seed=0,
+    )  # fmt: skip
+
+
+def run(
+    property_id: str,
+    run_options: RunOptions,
+    pool: TrackingPool,
+    *,
+    looking_ahead: bool,
+    confirm_pool: TrackingPool | None = None,
+) -> tuple[PropertyResult, Counting, SharedRuns, Coverage]:
+    """The property run once, with the look-ahead pass, or with the real test alone (a failure
+    found in-process confirmed in ``confirm_pool``)."""
+    counting = Counting(pool)
+    runs = SharedRuns(counting)
+    coverage = Coverage()
+    original = engine.judge_ahead
+    if not looking_ahead:
+        engine.judge_ahead = lambda *_args: None  # type: ignore[assignment]
+    try:
+        result = run_property(BY_ID[property_id], runs, run_options, coverage, confirm_pool)
+    finally:
+        engine.judge_ahead = original
+    return result, counting, runs, coverage
+
+
+def test_a_passing_property_reports_the_same_with_and_without_judging_ahead(
+    some_pool: TrackingPool, tmp_path: Path
+) -> None:
+    """moe.reset (two combinations run first, then drawn scenarios) on the reference: the same
+    world runs in the same order, the same examples and the same coverage."""
+    run_options = options(DEFAULT_TARGET, tmp_path, 40)
+    with_ahead, ahead_runs, _, ahead_coverage = run(
+        "moe.reset", run_options, some_pool, looking_ahead=True
+    )
+    alone, alone_runs, _, alone_coverage = run(
+        "moe.reset", run_options, some_pool, looking_ahead=False
+    )
+    assert (with_ahead.status, alone.status) == ("pass", "pass"), with_ahead.message
+    assert with_ahead.examples == alone.examples >= 40
+    assert [s.model_dump_json() for s in ahead_runs.scenarios] == [
+        s.model_dump_json() for s in alone_runs.scenarios
+    ]
+    assert ahead_coverage.as_json() == alone_coverage.as_json()
+    assert not _judging_threads()
+
+
+def test_a_failure_found_ahead_is_found_again_at_the_same_example(
+    some_pool: TrackingPool, pool: TrackingPool, tmp_path: Path
+) -> None:
+    """A copy that does not clear the tracker fails moe.reset: found at the same example, with
+    the same counterexample and examples, as by the real test alone; the real test's draws up
+    to the failure ran no world again (each was judged ahead on a run it reuses)."""
+    target = str(write_mutant("moe_tracker_not_cleared", tmp_path / "targets"))
+    run_options = options(target, tmp_path, 200)
+    with_ahead, _, runs, _ = run(
+        "moe.reset", run_options, some_pool, looking_ahead=True, confirm_pool=pool
+    )
+    alone, _, _, _ = run(
+        "moe.reset", run_options, some_pool, looking_ahead=False, confirm_pool=pool
+    )
+    assert (with_ahead.status, alone.status) == ("fail", "fail"), with_ahead.message
+    assert with_ahead.found_at == alone.found_at
+    assert with_ahead.found_at is not None and runs.shared >= with_ahead.found_at
+    assert with_ahead.counterexample == alone.counterexample
+    assert with_ahead.examples == alone.examples
+    assert not _judging_threads()
+
+
+def test_an_interruption_while_drawing_ends_the_judging_thread(
+    some_pool: TrackingPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A signal that lands in the drawing (the main thread) propagates out of the look-ahead
+    pass, and the judging thread has ended by then (what it had queued is dropped)."""
+    checkpoints = 0
+
+    def interrupted_at_the_fifth() -> None:
+        nonlocal checkpoints
+        checkpoints += 1
+        if checkpoints == 5:
+            raise Interrupted(2)
+
+    monkeypatch.setattr(ahead, "raise_if_interrupted", interrupted_at_the_fifth)
+    counting = Counting(some_pool)
+    with pytest.raises(Interrupted):
+        ahead.judge_ahead(BY_ID["moe.values"], counting, options(DEFAULT_TARGET, tmp_path, 40))
+    assert checkpoints == 5
+    assert not _judging_threads()
+    assert len(counting.scenarios) <= 4, "a scenario drawn after the interruption was run"
+
+
+def _judging_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pipemetrics-judge-ahead"]
