@@ -68,16 +68,17 @@ class _Judging:
     coverage: Coverage
     drawn: queue.Queue[Scenario | None] = field(default_factory=lambda: queue.Queue(AHEAD))
     examples: int = 0
-    stopped: str | None = None
-    """Why the judging stopped early (None: every example so far passed)."""
+    """Examples judged, every one passed."""
+    passing: bool = True
+    """False from the first example that did not pass on (the rest are not judged)."""
     cancelled: bool = False
 
     def work(self) -> None:
         while (scenario := self.drawn.get()) is not None:
-            if self.stopped is None and not self.cancelled:
-                self.stopped = self._judge(scenario)
+            if self.passing and not self.cancelled:
+                self.passing = self._passes(scenario)
 
-    def _judge(self, drawn: Scenario) -> str | None:
+    def _passes(self, drawn: Scenario) -> bool:
         try:
             scenario = as_judged(drawn, self.prop, self.options)
             self.coverage.add(scenario)
@@ -86,12 +87,12 @@ class _Judging:
             if self.options.observe is not None:
                 self.options.observe(scenario, run)
             problems = self.prop.judge(scenario, run)
-        except BaseException as exc:  # whatever it was, the real test meets it again
-            return f"{type(exc).__name__} at example {self.examples + 1}"
+        except BaseException:  # whatever it was, the real test meets it again
+            return False
         if problems:
-            return f"failed at example {self.examples + 1}"
+            return False
         self.examples += 1
-        return None
+        return True
 
 
 def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed | None:
@@ -102,7 +103,7 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
 
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
-        if judging.stopped is not None:
+        if not judging.passing:
             raise _Enough
         judging.drawn.put(scenario)
 
@@ -123,6 +124,6 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
         judging.cancelled = not drawn_to_the_end  # what is still queued is not judged then
         judging.drawn.put(None)  # the thread ends after the last scenario queued
         thread.join()
-    if not drawn_to_the_end or judging.stopped is not None:
+    if not drawn_to_the_end or not judging.passing:
         return None
     return Passed(judging.examples, judging.coverage)
