@@ -1,10 +1,14 @@
 """Running one property with Hypothesis in a shared `WorldPool`, and collecting its result.
 
-The property's scenario strategy drives a programmatic ``@given`` test; each example runs in a
-pooled live world (worlds live across examples and properties) and is judged. Hypothesis
-shrinks a failure; the last failing example it runs is the minimal one, so its scenario, the
-problems, what each rank did and its layout picture (`pipemetrics.sim.results.picture`) are kept. A
-failing scenario is written with `save_scenario` for ``pipemetrics replay``.
+A property is first judged ahead (`pipemetrics.properties.ahead`: each drawn scenario run and
+judged on a thread while the next is drawn); when every example passes, that is its run. When
+one does not, the property's real test runs here: the same ``@given`` test
+(`pipemetrics.properties.drawing.property_test`), each example run in a pooled live world
+(worlds live across examples and properties) and judged; it draws the same scenarios up to the
+failure, on the runs already made, and Hypothesis shrinks the failure. The last failing
+example it runs is the minimal one, so its scenario, the problems, what each rank did and its
+layout picture (`pipemetrics.sim.results.picture`) are kept. A failing scenario is written with
+`save_scenario` for ``pipemetrics replay``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -112,7 +116,6 @@ class _State:
     examples: int = 0
     found_at: int | None = None
     failure: _Failure | None = None
-    seen: list[Scenario] = field(default_factory=list)
 
 
 @contextmanager
