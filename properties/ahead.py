@@ -30,10 +30,10 @@ from hypothesis.reporting import with_reporter
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
-    as_judged,
     draws_independent_of_local_code,
     property_test,
     run_database,
+    run_judged,
 )
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import Runner
@@ -80,13 +80,7 @@ class _Judging:
 
     def _passes(self, drawn: Scenario) -> bool:
         try:
-            scenario = as_judged(drawn, self.prop, self.options)
-            self.coverage.add(scenario)
-            run = self.runner.run(scenario)
-            self.coverage.add_run(run)
-            if self.options.observe is not None:
-                self.options.observe(scenario, run)
-            problems = self.prop.judge(scenario, run)
+            _, _, problems = run_judged(drawn, self.prop, self.runner, self.options, self.coverage)
         except BaseException:  # whatever it was, the real test meets it again
             return False
         if problems:

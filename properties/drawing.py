@@ -2,8 +2,9 @@
 
 `property_test` builds the ``@given`` test that draws a property's scenarios (its combinations
 of two conditions first, at their floor: `pipemetrics.properties.combinations`), under its
-settings and the run's seed. Both passes over a property build it here, so that they draw the
-same scenarios in the same order: the look-ahead pass that runs and judges them beside the
+settings and the run's seed, and `run_judged` runs and judges one drawn example. Both passes
+over a property use them, so that they draw the same scenarios in the same order and judge
+them the same way: the look-ahead pass that runs and judges them beside the
 drawing (`pipemetrics.properties.ahead`) and the pass that shrinks a failure
 (`pipemetrics.properties.engine`).
 """
@@ -25,7 +26,10 @@ from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import hypothesis_settings
 from pipemetrics.properties.run_options import RunOptions
+from pipemetrics.properties.runview import HarnessFault
+from pipemetrics.properties.shared import Runner
 from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.worlds.world import WorldRun, WorldStartError
 
 DEFAULT_DATABASE = os.environ.get(
     "PIPEMETRICS_HYPOTHESIS_DB", str(Path("~/.cache/pipemetrics/hypothesis").expanduser())
@@ -49,6 +53,24 @@ def as_judged(scenario: Scenario, prop: Property, options: RunOptions) -> Scenar
     return scenario.model_copy(
         update={"target": options.target, "property": prop.id, "profile": options.profile}
     )
+
+
+def run_judged(
+    drawn: Scenario, prop: Property, runner: Runner, options: RunOptions, coverage: Coverage
+) -> tuple[Scenario, WorldRun, list[str]]:
+    """One drawn example as both passes run it: stamped (`as_judged`), counted in ``coverage``,
+    run in ``runner``, shown to ``options.observe`` and judged; the scenario, its run and the
+    problems found. A world that does not start is a `HarnessFault`."""
+    scenario = as_judged(drawn, prop, options)
+    coverage.add(scenario)
+    try:
+        run = runner.run(scenario)
+    except WorldStartError as exc:
+        raise HarnessFault(f"could not start a world: {exc}") from exc
+    coverage.add_run(run)
+    if options.observe is not None:
+        options.observe(scenario, run)
+    return scenario, run, prop.judge(scenario, run)
 
 
 def property_test(

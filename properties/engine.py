@@ -28,10 +28,10 @@ from pipemetrics.properties.ahead import judge_ahead
 from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
-    as_judged,
     draws_independent_of_local_code,
     property_test,
     run_database,
+    run_judged,
 )
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.runview import HarnessFault
@@ -138,17 +138,8 @@ def _example_runner(
 ) -> Callable[[Scenario], None]:
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
-        scenario = as_judged(scenario, prop, options)
         state.examples += 1
-        coverage.add(scenario)
-        try:
-            run = pool.run(scenario)
-        except WorldStartError as exc:
-            raise HarnessFault(f"could not start a world: {exc}") from exc
-        coverage.add_run(run)
-        if options.observe is not None:
-            options.observe(scenario, run)
-        problems = prop.judge(scenario, run)
+        scenario, run, problems = run_judged(scenario, prop, pool, options, coverage)
         if problems:
             if state.found_at is None:
                 state.found_at = state.examples
