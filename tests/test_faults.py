@@ -191,24 +191,33 @@ def test_signal_during_shrinking(tmp_path: Path, short_tmp: Path, bounds: Bounds
 
 
 CAUGHT_WHERE_IT_LANDS = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
+from hypothesis.internal.conjecture.data import ConjectureData
 from pipemetrics.commands.cli import run
 from pipemetrics.sim.model.scenario import Scenario
 
 how = sys.argv.pop(1)
-original = Scenario.model_dump_json
+sent, draw = Scenario.model_dump_json, ConjectureData.draw
+world_live = threading.Event()
 
 def model_dump_json(self, *args, **kwargs):
-    Scenario.model_dump_json = original  # once: as the first world's first task is sent
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(30)  # the handler runs in here
-    except KeyboardInterrupt as exc:
-        if how == "converted":
-            raise RuntimeError("bookkeeping broke") from exc
-    return original(self, *args, **kwargs)
+    world_live.set()  # a world's task is being sent (by whichever thread runs the world)
+    return sent(self, *args, **kwargs)
+
+def draw_where_it_lands(self, *args, **kwargs):
+    if world_live.is_set() and threading.current_thread() is threading.main_thread():
+        ConjectureData.draw = draw  # once: in Hypothesis's drawing, while a world is live
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(30)  # the handler runs in here
+            raise AssertionError("SIGINT was not raised in the main thread within 30 s")
+        except KeyboardInterrupt as exc:
+            if how == "converted":
+                raise RuntimeError("bookkeeping broke") from exc
+    return draw(self, *args, **kwargs)
 
 Scenario.model_dump_json = model_dump_json
+ConjectureData.draw = draw_where_it_lands
 run()
 """
 
@@ -220,7 +229,9 @@ def test_a_signal_caught_where_it_lands_still_stops_the_command(
     """Code the signal lands in may catch the `Interrupted` (a library catching BaseException)
     or turn it into another exception (Hypothesis, when it lands in its own bookkeeping while
     it draws an example; seen in CI): the command stops at its next checkpoint all the same,
-    reports no result for the property and leaves nothing behind."""
+    reports no result for the property and leaves nothing behind. The signal is sent from
+    Hypothesis's draw in the main thread (signals land there) once a world has been sent a
+    task, so the command has live worlds and a judging thread to stop."""
     script = tmp_path / "caught_where_it_lands.py"
     script.write_text(CAUGHT_WHERE_IT_LANDS, encoding="utf-8")
     mutant = write_mutant("mtp_zero_based_keys", tmp_path / "mutants")
