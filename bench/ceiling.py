@@ -89,6 +89,9 @@ class _Recording:
         self.scenarios.append(scenario)
         return self.pool.run(scenario)
 
+    def send_ahead(self, scenario: Scenario) -> bool:
+        return self.pool.send_ahead(scenario)
+
 
 def measure_check_ceiling(
     property_ids: tuple[str, ...],

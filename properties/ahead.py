@@ -4,7 +4,9 @@ Hypothesis draws an example, waits for the test to return, draws the next: drawi
 process) and running the world (in the world's own process) would take turns. `judge_ahead`
 runs the property's Hypothesis test (`pipemetrics.properties.drawing.property_test`, the same
 strategy, combinations, settings and seed) with a test that only hands each drawn scenario to
-a thread, which runs and judges it while Hypothesis draws the next. Hypothesis's next draw
+a thread, which runs and judges it while Hypothesis draws the next. The thread sends the next
+drawn scenario to its world before it judges the current one, so that a world of the
+in-process tier has its next task in hand as soon as it answers. Hypothesis's next draw
 depends only on what it drew before and on each example's outcome, so as long as every
 example passes, this pass draws exactly the scenarios the real test would: when every
 judgement passes, it *is* the property's run (its examples, coverage and verdict).
@@ -20,6 +22,9 @@ to keep in it is the real test's business.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ from hypothesis.reporting import with_reporter
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
+    as_judged,
     draws_independent_of_local_code,
     property_test,
     run_database,
@@ -74,9 +80,39 @@ class _Judging:
     cancelled: bool = False
 
     def work(self) -> None:
-        while (scenario := self.drawn.get()) is not None:
+        taken: collections.deque[Scenario] = collections.deque()  # drawn, not yet judged
+        more = True
+        while True:
+            if more and not taken:
+                more = self._take(taken, block=True)
+            if more:
+                more = self._take(taken, block=False)  # the next one, if drawn already
+            if not taken:
+                return
+            scenario = taken.popleft()
             if self.passing and not self.cancelled:
+                self._send_ahead(scenario, *itertools.islice(taken, 1))
                 self.passing = self._passes(scenario)
+
+    def _take(self, taken: collections.deque[Scenario], *, block: bool) -> bool:
+        """The next drawn scenario into ``taken``; False once the drawing has ended."""
+        try:
+            drawn = self.drawn.get(block=block)
+        except queue.Empty:
+            return True
+        if drawn is None:
+            return False
+        taken.append(drawn)
+        return True
+
+    def _send_ahead(self, *drawn: Scenario) -> None:
+        """Lets the worlds start the scenario about to be judged and the next one, in order,
+        so that a world runs the next while this process judges the one before
+        (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what it
+        does not take)."""
+        with contextlib.suppress(Exception):
+            for scenario in drawn:
+                self.runner.send_ahead(as_judged(scenario, self.prop, self.options))
 
     def _passes(self, drawn: Scenario) -> bool:
         try:

@@ -36,6 +36,10 @@ class Runner(Protocol):
 
     def run(self, scenario: Scenario) -> WorldRun: ...
 
+    def send_ahead(self, scenario: Scenario) -> bool:
+        """Let a world start ``scenario`` before `run` asks for it, where it can (a hint);
+        whether it was sent."""
+
 
 @dataclass
 class SharedRuns:
@@ -51,6 +55,11 @@ class SharedRuns:
     @property
     def tier(self) -> Tier:
         return self.runner.tier
+
+    def send_ahead(self, scenario: Scenario) -> bool:
+        if scenario.model_dump_json(exclude={"property"}) in self.kept:
+            return False  # it will not run again
+        return self.runner.send_ahead(scenario)
 
     def run(self, scenario: Scenario) -> WorldRun:
         key = scenario.model_dump_json(exclude={"property"})

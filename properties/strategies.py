@@ -12,6 +12,7 @@ under test.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -310,6 +311,7 @@ LARGEST_ORDINARY_SCALE = max(LOSS_SCALES)
 """Scales above this magnitude are `LARGE_LOSS_SCALES`."""
 
 
+@functools.cache
 def loss_scales(
     microbatches: int, *, allow_one: bool = True, large: bool = False
 ) -> st.SearchStrategy[float]:

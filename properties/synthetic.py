@@ -51,6 +51,7 @@ MAX_TOKENS = 100_000
 """Largest per-microbatch token count drawn for MTP acceptance."""
 
 
+@functools.cache
 def recorded_values(*, huge: bool = True) -> st.SearchStrategy[float]:
     """Router losses: positive and finite, in every band of `VALUE_BANDS` (a load-balancing loss
     is a sum of positive token fractions times positive probabilities; a z-loss a mean of
@@ -63,6 +64,7 @@ def recorded_values(*, huge: bool = True) -> st.SearchStrategy[float]:
     return st.one_of(*(st.floats(lo, hi) for lo, hi in bands))
 
 
+@functools.cache
 def mtp_losses() -> st.SearchStrategy[float]:
     """Per-token cross entropies: zero, ordinary and tiny (finite, non-negative)."""
     bands = (VALUE_BANDS["ordinary"], VALUE_BANDS["tiny"])
@@ -73,6 +75,7 @@ TOTAL_TOKENS = st.one_of(st.integers(0, 8), st.integers(0, MAX_TOKENS))
 """A microbatch's valid tokens of one MTP layer: few or many."""
 
 
+@functools.lru_cache(maxsize=4096)
 def correct_tokens(total: int) -> st.SearchStrategy[int]:
     """Tokens predicted correctly of ``total``: all, none or any."""
     return st.one_of(st.just(total), st.just(0), st.integers(0, total))
@@ -192,7 +195,7 @@ def synthetic_records(
     drawn = values if values is not None else recorded_values()
     masked = draw(masked_mtp_layers(setup)) if masked_mtp else frozenset()
     # each strategy built once a draw: Hypothesis validates every new one
-    counts, losses = token_counts(functools.cache(correct_tokens)), mtp_losses()
+    counts, losses = token_counts(correct_tokens), mtp_losses()
 
     def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:
         if layer in masked:

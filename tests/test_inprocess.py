@@ -263,6 +263,36 @@ def test_a_rank_that_ends_the_process_is_a_crash(own_pool: TrackingPool, tmp_pat
     assert not run.reusable
 
 
+def test_scenarios_sent_ahead_are_each_answered_with_their_own_run(
+    own_pool: TrackingPool,
+) -> None:
+    """Tasks sent ahead run in the order sent; each `run` returns its own scenario's outcome
+    whatever the order it is asked in, as a run not sent ahead would."""
+    world = WorldSpec(pp=2, dp=2)
+    first, second = _scenario(world, seed=3), _scenario(world, seed=4)
+    alone = {id(s): _fingerprint(own_pool.run(s)) for s in (first, second)}
+    assert alone[id(first)] != alone[id(second)]  # the test can tell them apart
+    assert own_pool.send_ahead(first) and own_pool.send_ahead(second)
+    assert _fingerprint(own_pool.run(second)) == alone[id(second)]
+    assert _fingerprint(own_pool.run(first)) == alone[id(first)]
+    assert own_pool.started == 1
+
+
+def test_a_scenario_sent_ahead_of_a_crash_runs_in_a_fresh_world(
+    own_pool: TrackingPool, tmp_path: Path
+) -> None:
+    """The world a crash leaves dirty is ended with the task sent behind it, even while that
+    task is the one asked for (the crash's answer comes first): it is run in a fresh world,
+    not reported as the crash or lost."""
+    world = WorldSpec(pp=2)
+    target = _fault_target(tmp_path, "if dist.get_rank() == 1:\n    os._exit(3)\nreturn {}")
+    crash, after = _scenario(world, target=target), _scenario(world, seed=4)
+    expected = _fingerprint(own_pool.run(after))
+    assert own_pool.send_ahead(crash) and own_pool.send_ahead(after)
+    assert _fingerprint(own_pool.run(after)) == expected
+    assert own_pool.run(crash).outcome.kind == "crash"
+
+
 def test_deadlock_and_mismatch_are_decided_as_in_the_process_tier(
     tiers: tuple[TrackingPool, TrackingPool], tmp_path: Path
 ) -> None:

@@ -36,6 +36,9 @@ class Counting:
         self.scenarios.append(scenario)
         return self.pool.run(scenario)
 
+    def send_ahead(self, scenario: Scenario) -> bool:
+        return self.pool.send_ahead(scenario)
+
 
 def options(tmp_path: Path, seed: int) -> RunOptions:
     return RunOptions(

@@ -7,10 +7,17 @@ owns one private temporary directory (its log and stack dumps); it runs a task t
 by itself (`pipemetrics.sim.collectives.scheduler.run_task`) and answers with its `TaskOutcome`. The
 controller keeps a hard deadline of its own: a host that does not answer (a target holding
 the interpreter in native code) is killed and the run is a timeout.
+
+A task may be sent ahead (`InProcessWorld.send_ahead`): the host, which takes tasks from its
+pipe in order, starts it as soon as it has answered the one before, while this process is
+still busy with that answer, instead of waiting for this process to send it. `run` then only
+collects its answer; the answers of tasks sent ahead and not asked for yet are kept until they
+are, so each run returns its own scenario's outcome whatever the order of the asking.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import multiprocessing.connection
 import os
@@ -55,6 +62,18 @@ ANSWER_MARGIN_S = WATCHDOG_MARGIN_S + UNWIND_GRACE_S + 4.0
 """How long after a scenario's deadline the controller waits for the host's own outcome (its
 watchdog reports `WATCHDOG_MARGIN_S` after the deadline; unwinding may take the grace period)."""
 
+SENT_AHEAD = 2
+"""Tasks a world holds sent and not yet answered, at most (one running, one waiting)."""
+SEND_AHEAD_MAX_BYTES = 16 * 1024
+"""The largest task sent ahead: a socket pair's buffer holds it at once while the host is still
+busy with the task before, so that sending it never waits on the host (which may itself be
+waiting to send a large answer that only this process, blocked in the send, would read)."""
+
+
+class TaskLost(RuntimeError):
+    """A task's world was ended (after another task's outcome left it dirty) before the task
+    ran: the pool runs it again in a fresh world."""
+
 
 def inprocess_unsupported() -> str | None:
     """Why the in-process tier cannot run with the installed megatron-core, or None; decided
@@ -89,6 +108,10 @@ class InProcessWorld(WorldBase):
         self._proc: Any = None
         self._conn: Connection | None = None
         self._closed = False
+        self._pending: collections.deque[tuple[tuple[RunMode, str], float]] = collections.deque()
+        """Tasks sent and not yet answered, in the order sent: (key, deadline_s)."""
+        self._answered: dict[tuple[RunMode, str], WorldRun] = {}
+        """Runs of tasks sent ahead that were answered before they were asked for."""
         super().__init__("pipemetrics-world-inprocess-")
 
     @property
@@ -151,7 +174,9 @@ class InProcessWorld(WorldBase):
     # -- running --------------------------------------------------------------------------------
 
     def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun:
-        """Run ``scenario`` on every rank; the modes are ``gated`` and ``alone`` (`RunMode`)."""
+        """Run ``scenario`` on every rank; the modes are ``gated`` and ``alone`` (`RunMode`).
+        A scenario sent ahead is only collected. Raises `TaskLost` where the world was ended
+        before the scenario's task ran."""
         require_mode(mode, self.modes, self.tier)
         if self._closed or self._conn is None:
             raise RuntimeError("this world is closed")
@@ -160,14 +185,53 @@ class InProcessWorld(WorldBase):
                 f"scenario world {scenario.setup.world.key} does not match this world "
                 f"{self.spec.key}"
             )
+        scenario_json = scenario.model_dump_json()
+        key = (mode, scenario_json)
+        if key not in self._answered and all(key != sent for sent, _ in self._pending):
+            self._send(key, scenario.deadline_s)
+        while key not in self._answered:
+            if self._closed or not self._pending:
+                raise TaskLost(f"the world {self.spec.key} ended before the task ran")
+            self._collect_next()
+        return self._answered.pop(key)
+
+    def send_ahead(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> bool:
+        """Send ``scenario``'s task now, for a later `run` to collect; False where it is not
+        sent (the world is closed or holds `SENT_AHEAD` tasks, the task is large, or it is not
+        this world's), and `run` sends it then."""
+        if self._closed or self._conn is None or scenario.setup.world != self.spec:
+            return False
+        if mode not in self.modes or len(self._pending) >= SENT_AHEAD:
+            return False
+        scenario_json = scenario.model_dump_json()
+        key = (mode, scenario_json)
+        if key in self._answered or any(key == sent for sent, _ in self._pending):
+            return True
+        if len(scenario_json) > SEND_AHEAD_MAX_BYTES:
+            return False
+        try:
+            self._send(key, scenario.deadline_s)
+        except OSError:  # the host is gone: `run` finds out and says so
+            return False
+        return True
+
+    def _send(self, key: tuple[RunMode, str], deadline_s: float) -> None:
+        assert self._conn is not None
+        mode, scenario_json = key
+        self._conn.send(Task(scenario_json=scenario_json, mode=mode))
+        self._pending.append((key, deadline_s))
+
+    def _collect_next(self) -> None:
+        """The oldest pending task's answer, kept as its run (the deadline counts from here:
+        the host starts a task sent ahead only once it has answered the one before)."""
+        key, deadline_s = self._pending.popleft()
         began = time.monotonic()
-        self._conn.send(Task(scenario_json=scenario.model_dump_json(), mode=mode))
-        answer = self._receive(scenario.deadline_s + ANSWER_MARGIN_S)
+        answer = self._receive(deadline_s + ANSWER_MARGIN_S)
         if isinstance(answer, TaskOutcome):
             outcome, done, released = answer.outcome, answer.done, answer.released
             reusable = answer.reusable
         else:
-            outcome = self._silent_outcome(answer, scenario.deadline_s)
+            outcome = self._silent_outcome(answer, deadline_s)
             done, released, reusable = {}, 0, False
         assert isinstance(outcome, Outcome)
         failed = outcome.kind != "ok"
@@ -176,9 +240,7 @@ class InProcessWorld(WorldBase):
             rank: RankResult(place=place, done=done.get(rank), log_tail=tail)
             for rank, place in self.places.items()
         }
-        if not reusable:
-            self.kill()
-        return WorldRun(
+        self._answered[key] = WorldRun(
             outcome=outcome,
             ranks=ranks,
             seconds=time.monotonic() - began,
@@ -186,6 +248,8 @@ class InProcessWorld(WorldBase):
             collectives_released=released,
             startup_s=self.startup_s,
         )
+        if not reusable:
+            self.kill()
 
     def _silent_outcome(self, answer: object, deadline_s: float) -> Outcome:
         ranks = sorted(self.places)
@@ -209,22 +273,24 @@ class InProcessWorld(WorldBase):
     # -- lifecycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Ask the host to exit, kill it if it does not, and remove the world's directory."""
+        """Ask the host to exit, kill it if it does not (at once where it holds tasks not yet
+        answered), and remove the world's directory."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._conn is not None:
+            if self._conn is not None and not self._pending:  # else killed: it is busy
                 with contextlib.suppress(OSError, ValueError):
                     self._conn.send(Shutdown())
-            if self._proc is not None:
-                self._proc.join(2.0)
+                if self._proc is not None:
+                    self._proc.join(2.0)
         finally:
             if self._proc is not None and self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(5.0)
             if self._conn is not None:
                 self._conn.close()
+            self._pending.clear()
             shutil.rmtree(self.directory, ignore_errors=True)
             self._finalizer.detach()
 
@@ -249,4 +315,4 @@ class InProcessWorld(WorldBase):
         return ""
 
 
-__all__ = ["InProcessWorld"]
+__all__ = ["InProcessWorld", "TaskLost"]

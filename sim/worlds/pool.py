@@ -15,7 +15,7 @@ from typing import Literal
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.layout import WorldSpec
 from pipemetrics.sim.model.scenario import Scenario
-from pipemetrics.sim.worlds.inprocess_world import InProcessWorld
+from pipemetrics.sim.worlds.inprocess_world import InProcessWorld, TaskLost
 from pipemetrics.sim.worlds.world import World, WorldRun
 
 DEFAULT_MAX_RANKS = 12
@@ -66,16 +66,30 @@ class WorldPool:
         return world
 
     def run(self, scenario: Scenario, *, mode: RunMode = RunMode.GATED) -> WorldRun:
-        """Run a scenario in a pooled world; a world that ran unclean is retired."""
-        world = self.world(scenario.setup.world)
+        """Run a scenario in a pooled world; a world that ran unclean is retired. A scenario
+        sent ahead whose world ended before it ran is run in a fresh one."""
         try:
-            result = world.run(scenario, mode=mode)
-        except BaseException:
-            self._drop(scenario.setup.world.key)
-            raise
+            result = self._run_in_live_world(scenario, mode)
+        except TaskLost:
+            result = self._run_in_live_world(scenario, mode)
         if not result.reusable:
             self._drop(scenario.setup.world.key)
         return result
+
+    def send_ahead(self, scenario: Scenario) -> bool:
+        """Let the scenario's live in-process world start it while this process is busy (see
+        `InProcessWorld.send_ahead`); `run` collects it. Starts no world; False where nothing
+        was sent."""
+        world = self._worlds.get(scenario.setup.world.key)
+        return isinstance(world, InProcessWorld) and world.alive and world.send_ahead(scenario)
+
+    def _run_in_live_world(self, scenario: Scenario, mode: RunMode) -> WorldRun:
+        world = self.world(scenario.setup.world)
+        try:
+            return world.run(scenario, mode=mode)
+        except BaseException:
+            self._drop(scenario.setup.world.key)
+            raise
 
     def live_ranks(self) -> int:
         """OS processes of the live worlds."""
