@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +48,9 @@ from pipemetrics.sim.model.scenario import Scenario
 AHEAD = 16
 """Scenarios drawn and not yet judged, at most: what the drawing may be ahead of the worlds
 (and what it draws in vain past a failure)."""
+SENT_AHEAD = 4
+"""Drawn scenarios sent to their worlds before the one being judged is run, at most: worlds of
+different shapes run theirs at the same time."""
 
 
 @dataclass
@@ -83,15 +85,16 @@ class _Judging:
         taken: collections.deque[Scenario] = collections.deque()  # drawn, not yet judged
         more = True
         while True:
-            if more and not taken:
-                more = self._take(taken, block=True)
-            if more:
-                more = self._take(taken, block=False)  # the next one, if drawn already
+            while more and len(taken) <= SENT_AHEAD:  # wait only for the first
+                taken_before = len(taken)
+                more = self._take(taken, block=not taken)
+                if len(taken) == taken_before:
+                    break  # nothing more drawn yet
             if not taken:
                 return
             scenario = taken.popleft()
             if self.passing and not self.cancelled:
-                self._send_ahead(scenario, *itertools.islice(taken, 1))
+                self._send_ahead(scenario, *taken)
                 self.passing = self._passes(scenario)
 
     def _take(self, taken: collections.deque[Scenario], *, block: bool) -> bool:

@@ -17,6 +17,7 @@ agree.
 
 from __future__ import annotations
 
+import functools
 from itertools import product
 from typing import NamedTuple
 
@@ -112,8 +113,14 @@ def places_for(world: WorldSpec) -> dict[int, RankPlace]:
     """Every rank's coordinates and group member lists, as ``initialize_model_parallel`` builds.
 
     Keys of each ``RankPlace.groups``: world, tp, pp, cp, dp (without cp), dp_cp, tp_cp,
-    tp_dp_cp, ep.
+    tp_dp_cp, ep. Built once per shape (every drawn scenario asks): each caller gets a dict of
+    its own around the shared places, which nothing changes.
     """
+    return dict(_places(world))
+
+
+@functools.lru_cache(maxsize=256)
+def _places(world: WorldSpec) -> dict[int, RankPlace]:
     return {rank: place_of(world, rank) for rank in range(world.world_size)}
 
 

@@ -80,8 +80,8 @@ class WorldPool:
         """Let the scenario's live in-process world start it while this process is busy (see
         `InProcessWorld.send_ahead`); `run` collects it. Starts no world; False where nothing
         was sent."""
-        world = self._worlds.get(scenario.setup.world.key)
-        return isinstance(world, InProcessWorld) and world.alive and world.send_ahead(scenario)
+        world = self._worlds.get(scenario.setup.world.key)  # a dead one: `run` finds out
+        return isinstance(world, InProcessWorld) and world.send_ahead(scenario)
 
     def _run_in_live_world(self, scenario: Scenario, mode: RunMode) -> WorldRun:
         world = self.world(scenario.setup.world)
