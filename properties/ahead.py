@@ -4,9 +4,10 @@ Hypothesis draws an example, waits for the test to return, draws the next: drawi
 process) and running the world (in the world's own process) would take turns. `judge_ahead`
 runs the property's Hypothesis test (`pipemetrics.properties.drawing.property_test`, the same
 strategy, combinations, settings and seed) with a test that only hands each drawn scenario to
-a thread, which runs and judges it while Hypothesis draws the next. The thread sends the next
-drawn scenario to its world before it judges the current one, so that a world of the
-in-process tier has its next task in hand as soon as it answers. Hypothesis's next draw
+a thread, which runs and judges it while Hypothesis draws the next. Before it runs one, the
+thread sends it and up to `SENT_AHEAD` drawn after it to their worlds, so that a world of the
+in-process tier has its next task in hand as soon as it answers and worlds of different shapes
+run theirs at the same time. Hypothesis's next draw
 depends only on what it drew before and on each example's outcome, so as long as every
 example passes, this pass draws exactly the scenarios the real test would: when every
 judgement passes, it *is* the property's run (its examples, coverage and verdict).
@@ -109,10 +110,10 @@ class _Judging:
         return True
 
     def _send_ahead(self, *drawn: Scenario) -> None:
-        """Lets the worlds start the scenario about to be judged and the next one, in order,
-        so that a world runs the next while this process judges the one before
-        (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what it
-        does not take)."""
+        """Lets the worlds start the scenario about to be judged and those drawn after it, in
+        order, so that they run while this process judges the ones before
+        (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what was
+        not sent)."""
         with contextlib.suppress(Exception):
             for scenario in drawn:
                 self.runner.send_ahead(as_judged(scenario, self.prop, self.options))
