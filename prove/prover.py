@@ -16,6 +16,7 @@ the bound exactly once (the digest of every case key), keeping each property's s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -173,6 +174,49 @@ def _version(package: str) -> str:
         return "unknown"
 
 
+SENT_AHEAD = 4
+"""Cases sent to their worlds before the one being run (`WorldPool.send_ahead`), at most: a
+world of the in-process tier starts its next case the moment it has answered one, while this
+process judges that one."""
+
+
+@dataclasses.dataclass
+class _Upcoming:
+    """The shard's cases as the loop meets them: each case's properties and scenario built once,
+    whether the loop or the sending ahead asks first."""
+
+    todo: list[AnyCase]
+    target: str
+    bound: Bound
+    functions: frozenset[str]
+    _properties: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    _scenarios: dict[int, Scenario] = dataclasses.field(default_factory=dict)
+
+    def properties(self, position: int) -> tuple[str, ...]:
+        if position not in self._properties:
+            self._properties[position] = self.todo[position].properties(self.bound, self.functions)
+        return self._properties[position]
+
+    def scenario(self, position: int) -> Scenario:
+        """The case's scenario, for the last time (nothing of the case is kept after it)."""
+        self._properties.pop(position, None)
+        built = self._scenarios.pop(position, None)
+        return built if built is not None else self._build(position)
+
+    def _build(self, position: int) -> Scenario:
+        return self.todo[position].scenario(self.target, self.bound, self.functions)
+
+    def after(self, position: int) -> list[Scenario]:
+        """The scenarios of the next `SENT_AHEAD` cases after ``position`` that run."""
+        later = []
+        for upcoming in range(position + 1, min(position + 1 + SENT_AHEAD, len(self.todo))):
+            if self.properties(upcoming):
+                if upcoming not in self._scenarios:
+                    self._scenarios[upcoming] = self._build(upcoming)
+                later.append(self._scenarios[upcoming])
+        return later
+
+
 def prove(
     target: str,
     bound: Bound,
@@ -210,15 +254,18 @@ def prove(
         if pool is not None
         else WorldPool(max_ranks=16, tier=tier) as worlds
     ):
+        upcoming = _Upcoming(todo, target, bound, functions)
         for position, case in enumerate(todo):
             ran = position + 1
-            properties = case.properties(bound, functions)
+            properties = upcoming.properties(position)
             if not properties:
                 skipped += 1
                 continue
             if progress is not None:
                 progress(position, len(todo), case.key)
-            scenario = case.scenario(target, bound, functions)
+            scenario = upcoming.scenario(position)
+            for later in upcoming.after(position):
+                worlds.send_ahead(later)
             run = worlds.run(scenario)
             problems: dict[str, list[str]] = {}
             for property_id in properties:

@@ -194,15 +194,16 @@ CAUGHT_WHERE_IT_LANDS = """
 import os, signal, sys, threading, time
 from hypothesis.internal.conjecture.data import ConjectureData
 from pipemetrics.commands.cli import run
-from pipemetrics.sim.model.scenario import Scenario
+from pipemetrics.sim.worlds.pool import WorldPool
 
 how = sys.argv.pop(1)
-sent, draw = Scenario.model_dump_json, ConjectureData.draw
+ran, draw = WorldPool.run, ConjectureData.draw
 world_live = threading.Event()
 
-def model_dump_json(self, *args, **kwargs):
-    world_live.set()  # a world's task is being sent (by whichever thread runs the world)
-    return sent(self, *args, **kwargs)
+def run_in_pool(self, *args, **kwargs):
+    result = ran(self, *args, **kwargs)
+    world_live.set()  # a world has answered (in whichever thread runs the worlds)
+    return result
 
 def draw_where_it_lands(self, *args, **kwargs):
     if world_live.is_set() and threading.current_thread() is threading.main_thread():
@@ -216,7 +217,7 @@ def draw_where_it_lands(self, *args, **kwargs):
                 raise RuntimeError("bookkeeping broke") from exc
     return draw(self, *args, **kwargs)
 
-Scenario.model_dump_json = model_dump_json
+WorldPool.run = run_in_pool
 ConjectureData.draw = draw_where_it_lands
 run()
 """
@@ -230,8 +231,9 @@ def test_a_signal_caught_where_it_lands_still_stops_the_command(
     or turn it into another exception (Hypothesis, when it lands in its own bookkeeping while
     it draws an example; seen in CI): the command stops at its next checkpoint all the same,
     reports no result for the property and leaves nothing behind. The signal is sent from
-    Hypothesis's draw in the main thread (signals land there) once a world has been sent a
-    task, so the command has live worlds and a judging thread to stop."""
+    Hypothesis's draw in the main thread (signals land there) once a world has answered, so
+    the command has live worlds and a judging thread to stop (the thread finishes what it is
+    doing first: were it starting the first world, that is the fork server's preload)."""
     script = tmp_path / "caught_where_it_lands.py"
     script.write_text(CAUGHT_WHERE_IT_LANDS, encoding="utf-8")
     mutant = write_mutant("mtp_zero_based_keys", tmp_path / "mutants")
