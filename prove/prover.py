@@ -264,8 +264,8 @@ def prove(
             if progress is not None:
                 progress(position, len(todo), case.key)
             scenario = upcoming.scenario(position)
-            for later in upcoming.after(position):
-                worlds.send_ahead(later)
+            for sent in (scenario, *upcoming.after(position)):  # in order: this case first
+                worlds.send_ahead(sent)
             run = worlds.run(scenario)
             problems: dict[str, list[str]] = {}
             for property_id in properties:
