@@ -84,6 +84,7 @@ class _Judging:
 
     def work(self) -> None:
         taken: collections.deque[Scenario] = collections.deque()  # drawn, not yet judged
+        sent: set[int] = set()  # ids of those of them their worlds already hold
         more = True
         while True:
             while more and len(taken) <= SENT_AHEAD:  # wait only for the first
@@ -95,8 +96,9 @@ class _Judging:
                 return
             scenario = taken.popleft()
             if self.passing and not self.cancelled:
-                self._send_ahead(scenario, *taken)
+                self._send_ahead(sent, scenario, *taken)
                 self.passing = self._passes(scenario)
+            sent.discard(id(scenario))
 
     def _take(self, taken: collections.deque[Scenario], *, block: bool) -> bool:
         """The next drawn scenario into ``taken``; False once the drawing has ended."""
@@ -109,14 +111,17 @@ class _Judging:
         taken.append(drawn)
         return True
 
-    def _send_ahead(self, *drawn: Scenario) -> None:
+    def _send_ahead(self, sent: set[int], *drawn: Scenario) -> None:
         """Lets the worlds start the scenario about to be judged and those drawn after it, in
         order, so that they run while this process judges the ones before
         (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what was
-        not sent)."""
+        not sent). Each is offered until a world takes it (``sent``: their ids), not again."""
         with contextlib.suppress(Exception):
             for scenario in drawn:
-                self.runner.send_ahead(as_judged(scenario, self.prop, self.options))
+                if id(scenario) not in sent and self.runner.send_ahead(
+                    as_judged(scenario, self.prop, self.options)
+                ):
+                    sent.add(id(scenario))
 
     def _passes(self, drawn: Scenario) -> bool:
         try:
