@@ -153,7 +153,21 @@ def pipemetrics_options(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture(scope="session")
-def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: Any) -> set[str]:
+def pipemetrics_forkserver() -> Iterator[None]:
+    """Stops this pytest process's fork server once what started it (the target's probe, the
+    pools) is done, as every ``pipemetrics`` command does at its end: left alone, a fork server
+    still preloading torch and megatron-core (a worker whose tests ended early) outlives its
+    pytest process by that preload, seconds, many more on a loaded machine."""
+    from pipemetrics.sim.worlds.world import stop_forkserver
+
+    yield
+    stop_forkserver()
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_provided(
+    request: pytest.FixtureRequest, pipemetrics_options: Any, pipemetrics_forkserver: None
+) -> set[str]:
     """The seed API functions the target defines, found by importing it in a child process
     under a deadline (a target that does not load, or defines none of them, fails every test)."""
     from pipemetrics.sim.worlds.probe import probe_target, require_api
@@ -164,7 +178,7 @@ def pipemetrics_provided(request: pytest.FixtureRequest, pipemetrics_options: An
 
 
 @pytest.fixture(scope="session")
-def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
+def pipemetrics_pool(pipemetrics_options: Any, pipemetrics_forkserver: None) -> Iterator[Any]:
     """One pool of live worlds per pytest process (per xdist worker), each scenario run once
     however many of its tests draw it (`pipemetrics.properties.shared`)."""
     from pipemetrics.properties.shared import SharedRuns
@@ -177,7 +191,9 @@ def pipemetrics_pool(pipemetrics_options: Any) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
-def pipemetrics_confirm_pool(pipemetrics_options: Any) -> Iterator[Any]:
+def pipemetrics_confirm_pool(
+    pipemetrics_options: Any, pipemetrics_forkserver: None
+) -> Iterator[Any]:
     """The process-tier pool in which a failure of the in-process tier is confirmed (starts
     worlds only then)."""
     from pipemetrics.sim.worlds.pool import WorldPool

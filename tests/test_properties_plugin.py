@@ -6,6 +6,7 @@ tests), from a directory outside the repository, like an adopter's CI would.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 
 from pipemetrics.properties.catalogue import PROPERTY_IDS
 
-from .conftest import Bounds, assert_no_leftovers, private_tmpdir, run_bounded
+from .conftest import Bounds, assert_no_leftovers, leftovers_in, private_tmpdir, run_bounded
 
 
 def run_pytest(tmp_path: Path, *args: str, bounds: Bounds) -> tuple[int, str]:
@@ -26,8 +27,21 @@ def run_pytest(tmp_path: Path, *args: str, bounds: Bounds) -> tuple[int, str]:
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", *args],
             cwd=tmp_path, env=env, timeout=bounds(30, 300),
         )  # fmt: skip
+        assert not fork_servers(tmp), "a fork server outlived its pytest process"
         assert_no_leftovers(tmp, bounds(1, 10))
     return proc.returncode, proc.stdout
+
+
+def fork_servers(tmp: Path) -> list[int]:
+    """Live fork servers started with TMPDIR=``tmp`` (each worker's session stops its own, so
+    none may be left the moment pytest has exited, however long its preload would take)."""
+    _, pids = leftovers_in(tmp)
+    servers = []
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                servers.append(pid)
+    return servers
 
 
 def test_plugin_runs_the_suite_with_lists(tmp_path: Path, bounds: Bounds) -> None:
