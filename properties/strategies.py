@@ -3,7 +3,8 @@
 Pieces: `world_shapes`, `splits`, `layer_layouts`, `moe_patterns`, `routing_configs`, `layouts`,
 `setups`, `loss_scales`, `loss_scale_forms`, `synthetic_records` (re-exported from
 `pipemetrics.properties.synthetic`), and the broadcast pieces `dtypes`, `tensor_shapes`,
-`valid_buffer`, `invalid_buffer`.
+`valid_buffer`, `invalid_buffer`. A piece whose arguments are all hashable is `reused`: built
+once per arguments (`pipemetrics.properties.reuse`).
 Scenario strategies (one per property family) put them together: `moe_scenarios`,
 `mtp_scenarios`, `router_scenarios`, `broadcast_scenarios`, `track_names_scenarios`,
 `round_up_scenarios`. Every scenario uses the default target; the runner substitutes the target
@@ -12,13 +13,13 @@ under test.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Literal
 
 from hypothesis import strategies as st
 
 from pipemetrics.properties.effort import Effort, is_wide
+from pipemetrics.properties.reuse import reused, sampled
 from pipemetrics.properties.synthetic import recorded_values, synthetic_records
 from pipemetrics.sim.mcore import RouterRouting, installed_features
 from pipemetrics.sim.mcore.mtp_tracker import (
@@ -87,16 +88,10 @@ __all__ = [
 Semantic = Literal["seed", "megatron", "strict"]
 
 
-def sampled[T](values: Iterable[T]) -> st.SearchStrategy[T]:
-    """``st.sampled_from`` of ``values`` as a tuple: Hypothesis reuses the strategy it built for
-    hashable arguments, where a list builds and validates a new one at every draw (the same
-    draws either way)."""
-    return st.sampled_from(tuple(values))
-
-
 # -- worlds ------------------------------------------------------------------------------------
 
 
+@reused
 def world_shapes(
     effort: Effort, *, min_size: int = 1, max_size: int | None = None
 ) -> st.SearchStrategy[WorldSpec]:
@@ -115,6 +110,7 @@ def world_shapes(
 # -- layouts -----------------------------------------------------------------------------------
 
 
+@reused
 @st.composite
 def splits(
     draw: st.DrawFn,
@@ -156,6 +152,7 @@ def splits(
     return total, FirstLastSplit(first=first, last=last)
 
 
+@reused
 @st.composite
 def layer_layouts(
     draw: st.DrawFn, pp: int, vpp: int, max_per_stage: int, mtp_num_layers: int
@@ -171,7 +168,7 @@ def layer_layouts(
     if mtp_num_layers and installed_features().layout_keeps_mtp_last:  # 0.15: the last chunk only
         mtp_at = count - 1
     elif mtp_num_layers:
-        mtp_at = (vpp - 1) * pp + draw(st.integers(0, pp - 1).map(lambda p: pp - 1 - p))
+        mtp_at = (vpp - 1) * pp + draw(_from_the_last(pp))
         decoders[mtp_at + 1 :] = [0] * (count - mtp_at - 1)
     if sum(decoders) == 0:
         decoders[0] = 1
@@ -183,13 +180,20 @@ def layer_layouts(
     return sum(decoders), LayoutSplit(layout="|".join(stages))
 
 
+@reused
+def _from_the_last(pp: int) -> st.SearchStrategy[int]:
+    """A pipeline rank, shrinking towards the last."""
+    return st.integers(0, pp - 1).map(lambda p: pp - 1 - p)
+
+
+@reused
 @st.composite
 def moe_patterns(draw: st.DrawFn, num_layers: int) -> int | list[Literal[0, 1]]:
     """``moe_layer_freq``: an interval, or a 0/1 list with at least one MoE layer."""
     if draw(st.booleans()):
         return draw(st.integers(1, 3))
     pattern: list[Literal[0, 1]] = draw(
-        st.lists(st.sampled_from((0, 1)), min_size=num_layers, max_size=num_layers)
+        st.lists(sampled((0, 1)), min_size=num_layers, max_size=num_layers)
     )
     if 1 not in pattern:
         pattern[draw(st.integers(0, num_layers - 1))] = 1
@@ -201,6 +205,7 @@ ROUTING_TYPES: list[RoutingType] = [*AUX_LOSS_TYPES, "sinkhorn", "none"]
 EVERY_ROUTING = RouterRouting(type_lists=True, global_aux_loss=True)
 
 
+@reused
 @st.composite
 def routing_configs(
     draw: st.DrawFn,
@@ -222,10 +227,11 @@ def routing_configs(
         listed = draw(st.lists(sampled(aux_types), min_size=1, max_size=3, unique=True))
         routing = listed
         coeff = [draw(COEFFICIENTS) for _ in listed]
-    z = draw(st.sampled_from((None, 0.0, 1e-3))) if z_loss else None
+    z = draw(sampled((None, 0.0, 1e-3))) if z_loss else None
     return {"routing_type": routing, "aux_loss_coeff": coeff, "z_loss_coeff": z}
 
 
+@reused
 @st.composite
 def layouts(
     draw: st.DrawFn,
@@ -263,6 +269,7 @@ def layouts(
     )
 
 
+@reused
 def mtp_tracker_modes(mtp_num_layers: int) -> st.SearchStrategy[dict[str, bool]]:
     """The MTP tracker's modes the installed helper has, drawn by feature
     (`pipemetrics.sim.mcore.mtp_tracker`): per-token loss (``calculate_per_token_loss``) and
@@ -277,6 +284,7 @@ def mtp_tracker_modes(mtp_num_layers: int) -> st.SearchStrategy[dict[str, bool]]
     return st.fixed_dictionaries(modes) if modes else st.just({})
 
 
+@reused
 @st.composite
 def setups(
     draw: st.DrawFn,
@@ -311,7 +319,7 @@ LARGEST_ORDINARY_SCALE = max(LOSS_SCALES)
 """Scales above this magnitude are `LARGE_LOSS_SCALES`."""
 
 
-@functools.cache
+@reused
 def loss_scales(
     microbatches: int, *, allow_one: bool = True, large: bool = False
 ) -> st.SearchStrategy[float]:
@@ -339,6 +347,7 @@ STRICT_LOSS_SCALE_FORMS: tuple[LossScaleForm, ...] = (
 numpy float32; the reference promises the same results for every form (strict only)."""
 
 
+@reused
 def loss_scale_forms(
     semantic: Semantic, *, default: bool = False
 ) -> st.SearchStrategy[MtpLossScaleForm]:
@@ -353,14 +362,15 @@ def loss_scale_forms(
     return sampled(forms)
 
 
+@reused
 @st.composite
 def step_scales(
-    draw: st.DrawFn, setup: Setup, count: int, *, allow_one: bool, forms: bool, sign: float
+    draw: st.DrawFn, microbatches: int, count: int, *, allow_one: bool, forms: bool, sign: float
 ) -> list[float]:
     """The ``loss_scale`` of each of ``count`` steps. With ``forms`` (generator class
     ``argument_forms``) they include `LARGE_LOSS_SCALES` and take ``sign``, one sign per
     scenario so that ``total_loss_dict`` sums never cancel."""
-    scales = loss_scales(setup.layout.microbatches, allow_one=allow_one, large=forms)
+    scales = loss_scales(microbatches, allow_one=allow_one, large=forms)
     return [sign * draw(scales) for _ in range(count)]
 
 
@@ -417,8 +427,9 @@ def every_rank_records_every_name(setup: Setup) -> bool:
 KNOWN_NAMES = ("z_loss", *TRACK_NAME_OF.values())
 
 
+@reused
 @st.composite
-def track_names_arguments(draw: st.DrawFn, live: list[str], strict: bool) -> list[str] | None:
+def track_names_arguments(draw: st.DrawFn, live: tuple[str, ...], strict: bool) -> list[str] | None:
     """``track_names`` as callers pass it: the live names (what the router records), ``None``;
     strict also: ``[]``, a subset (recorded names outside the list) or a superset."""
     forms = ["live", "none"] + (["empty", "subset", "superset"] if strict else [])
@@ -432,7 +443,7 @@ def track_names_arguments(draw: st.DrawFn, live: list[str], strict: bool) -> lis
     if form == "subset":
         return [name for name in live if draw(st.booleans())]
     extra = [name for name in KNOWN_NAMES if name not in live]
-    return list(live) + draw(st.lists(sampled(extra), unique=True)) if extra else live
+    return list(live) + draw(st.lists(sampled(extra), unique=True)) if extra else list(live)
 
 
 @st.composite
@@ -454,8 +465,8 @@ def moe_arguments(
         return layout.num_layers, draw(sampled(mtp_forms)), live
     if strict:
         mtp_forms = [mtp, None]
-    num_layers = draw(st.sampled_from((layout.num_layers, None)))
-    return num_layers, draw(sampled(mtp_forms)), draw(track_names_arguments(live, strict))
+    num_layers = draw(sampled((layout.num_layers, None)))
+    return num_layers, draw(sampled(mtp_forms)), draw(track_names_arguments(tuple(live), strict))
 
 
 @st.composite
@@ -484,7 +495,9 @@ def moe_scenarios(
     form: MtpLossScaleForm = draw(loss_scale_forms(semantic)) if forms else "float"
     assert form != "default"
     sign = draw(SCALE_SIGNS) if forms else 1.0
-    scales = draw(step_scales(setup, count, allow_one=scale_one, forms=forms, sign=sign))
+    scales = draw(
+        step_scales(layout.microbatches, count, allow_one=scale_one, forms=forms, sign=sign)
+    )
 
     def call(scale: float) -> CallSpec:
         return moe_call(
@@ -592,7 +605,9 @@ def mtp_scenarios(
         draw(loss_scale_forms(semantic, default=scale_one)) if forms else "float"
     )
     sign = draw(SCALE_SIGNS) if forms and form != "default" else 1.0
-    scales = draw(step_scales(setup, count, allow_one=scale_one, forms=forms, sign=sign))
+    scales = draw(
+        step_scales(setup.layout.microbatches, count, allow_one=scale_one, forms=forms, sign=sign)
+    )
 
     def call(scale: float) -> CallSpec:
         if form == "default":
@@ -611,7 +626,7 @@ def interleaved_scenarios(draw: st.DrawFn, effort: Effort, semantic: Semantic) -
     setup = draw(setups(effort))
     layout = setup.layout
     count = draw(st.integers(2, max(2, effort.max_steps)))
-    scales = draw(step_scales(setup, count, allow_one=True, forms=False, sign=1.0))
+    scales = draw(step_scales(layout.microbatches, count, allow_one=True, forms=False, sign=1.0))
 
     def moe(scale: float) -> CallSpec:
         return moe_call(layout, semantic, loss_scale=scale)
@@ -664,10 +679,12 @@ DTYPES: tuple[str, ...] = ("float32", "bfloat16", "bool", "int64", "float16", "f
 """Every dtype a broadcast draws."""
 
 
+@reused
 def dtypes() -> st.SearchStrategy[str]:
     return st.sampled_from(DTYPES)
 
 
+@reused
 def tensor_shapes() -> st.SearchStrategy[list[int]]:
     """0-d, empty and small shapes."""
     return st.one_of(st.just([]), st.lists(st.integers(0, 4), min_size=1, max_size=3))
@@ -677,15 +694,20 @@ def valid_buffer(shape: list[int], dtype: str) -> BufferSpec:
     return BufferSpec(shape=list(shape), dtype=dtype)
 
 
+@reused
+def _other_dtypes(dtype: str) -> st.SearchStrategy[str]:
+    return dtypes().filter(lambda d: d != dtype)
+
+
 @st.composite
 def invalid_buffer(draw: st.DrawFn, shape: list[int], dtype: str) -> BufferSpec:
     """A buffer with the wrong shape, dtype or device."""
-    wrong = draw(st.sampled_from(("shape", "dtype", "device")))
+    wrong = draw(sampled(("shape", "dtype", "device")))
     if wrong == "shape":
         other = [*shape, 1] if draw(st.booleans()) or not shape else [shape[0] + 1, *shape[1:]]
         return BufferSpec(shape=other, dtype=dtype)
     if wrong == "dtype":
-        return BufferSpec(shape=list(shape), dtype=draw(dtypes().filter(lambda d: d != dtype)))
+        return BufferSpec(shape=list(shape), dtype=draw(_other_dtypes(dtype)))
     return BufferSpec(shape=list(shape), dtype=dtype, device="meta")
 
 
@@ -717,12 +739,18 @@ def source_views(shape: list[int]) -> st.SearchStrategy[dict[str, bool]]:
     the source ``torch.Tensor`` and its Raises section excludes no layout; gloo delivers a
     non-contiguous source's storage as it lies, scrambled, so a copy that sends it as it is
     fails here."""
+    return _views(min(len(shape), 2))
+
+
+@reused
+def _views(dims: int) -> st.SearchStrategy[dict[str, bool]]:
+    """`source_views` of a shape of ``dims`` dimensions (2: two or more)."""
     views = [{"non_contiguous": False, "strided": False}]
-    if shape:
+    if dims:
         views.append({"non_contiguous": True, "strided": True})
-    if len(shape) >= 2:
+    if dims >= 2:
         views.append({"non_contiguous": True, "strided": False})
-    return sampled(views)
+    return st.sampled_from(views)
 
 
 def _receiver_inputs(
@@ -745,6 +773,7 @@ def _receiver_inputs(
     return buffers, source_none
 
 
+@reused
 @st.composite
 def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
     """Where a broadcast over subgroups goes (generator class ``group_broadcast``): every group
@@ -771,6 +800,7 @@ def broadcast_group(draw: st.DrawFn, world: WorldSpec) -> BroadcastCall:
     return BroadcastCall(group=NEW_GROUP, members=members, src_rank=draw(sampled(members)))
 
 
+@reused
 @st.composite
 def broadcast_call(
     draw: st.DrawFn,
@@ -849,12 +879,14 @@ def track_names_scenarios(draw: st.DrawFn, effort: Effort) -> Scenario:
     )
 
 
+ROUND_UP_VALUES = st.one_of(st.integers(0, 64), st.integers(0, 2**62))
+ROUND_UP_MULTIPLES = st.one_of(st.integers(1, 16), st.integers(1, 2**40))
+
+
 @st.composite
 def round_up_scenarios(draw: st.DrawFn, effort: Effort) -> Scenario:
-    values = st.one_of(st.integers(0, 64), st.integers(0, 2**62))
-    multiples = st.one_of(st.integers(1, 16), st.integers(1, 2**40))
     calls = [
-        RoundUpCall(value=draw(values), multiple=draw(multiples))
+        RoundUpCall(value=draw(ROUND_UP_VALUES), multiple=draw(ROUND_UP_MULTIPLES))
         for _ in range(draw(st.integers(1, 8)))
     ]
     setup = Setup(layout=ModelLayout(num_layers=1))

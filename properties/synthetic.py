@@ -18,13 +18,13 @@ collection is on).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
 from hypothesis import strategies as st
 
 from pipemetrics.properties.reachable import nan_recorded
+from pipemetrics.properties.reuse import reused
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.model.layout import Setup
@@ -51,7 +51,7 @@ MAX_TOKENS = 100_000
 """Largest per-microbatch token count drawn for MTP acceptance."""
 
 
-@functools.cache
+@reused
 def recorded_values(*, huge: bool = True) -> st.SearchStrategy[float]:
     """Router losses: positive and finite, in every band of `VALUE_BANDS` (a load-balancing loss
     is a sum of positive token fractions times positive probabilities; a z-loss a mean of
@@ -64,7 +64,7 @@ def recorded_values(*, huge: bool = True) -> st.SearchStrategy[float]:
     return st.one_of(*(st.floats(lo, hi) for lo, hi in bands))
 
 
-@functools.cache
+@reused
 def mtp_losses() -> st.SearchStrategy[float]:
     """Per-token cross entropies: zero, ordinary and tiny (finite, non-negative)."""
     bands = (VALUE_BANDS["ordinary"], VALUE_BANDS["tiny"])
@@ -75,12 +75,13 @@ TOTAL_TOKENS = st.one_of(st.integers(0, 8), st.integers(0, MAX_TOKENS))
 """A microbatch's valid tokens of one MTP layer: few or many."""
 
 
-@functools.lru_cache(maxsize=4096)
+@reused
 def correct_tokens(total: int) -> st.SearchStrategy[int]:
     """Tokens predicted correctly of ``total``: all, none or any."""
     return st.one_of(st.just(total), st.just(0), st.integers(0, total))
 
 
+@reused
 @st.composite
 def token_counts(
     draw: st.DrawFn, correct_of: Callable[[int], st.SearchStrategy[int]] = correct_tokens
@@ -194,7 +195,6 @@ def synthetic_records(
     ``masked_mtp``, some MTP layers may have no valid position anywhere (`masked_mtp_layers`)."""
     drawn = values if values is not None else recorded_values()
     masked = draw(masked_mtp_layers(setup)) if masked_mtp else frozenset()
-    # each strategy built once a draw: Hypothesis validates every new one
     counts, losses = token_counts(correct_tokens), mtp_losses()
 
     def mtp_value(rank: int, microbatch: int, layer: int) -> tuple[float, float, float]:

@@ -403,3 +403,21 @@ def test_masked_mtp_layers_stay_reachable(data: st.DataObject) -> None:
         places, records, installed_features().moe_dp_rule, setup.layout.mtp_acceptance
     )
     assert tracker_violations(setup, places, snapshots) == []
+
+
+def test_pieces_drawn_inside_other_draws_are_built_once_per_arguments() -> None:
+    """`pipemetrics.properties.reuse`: the strategy a piece builds for the same arguments is
+    the same object, so Hypothesis validates it once, not at every draw."""
+    from pipemetrics.properties.reuse import sampled
+    from pipemetrics.properties.synthetic import correct_tokens, token_counts
+
+    assert sampled(["a", "b"]) is sampled(("a", "b"))
+    assert sampled(["a", "b"]) is not sampled(("b", "a"))
+    assert s.splits(2, 3, flexible=True) is s.splits(2, 3, flexible=True)
+    assert s.splits(2, 3) is not s.splits(3, 3)
+    assert s.step_scales(2, 1, allow_one=True, forms=False, sign=1.0) is s.step_scales(
+        2, 1, allow_one=True, forms=False, sign=1.0
+    )
+    assert s.source_views([2, 3]) is s.source_views([4, 1, 1])
+    assert s.source_views([2]) is not s.source_views([2, 3])
+    assert token_counts(correct_tokens) is token_counts(correct_tokens)
