@@ -17,19 +17,23 @@ in Hypothesis or in the judging), the drawing stops and the pass says nothing: t
 run again by its real test (`pipemetrics.properties.engine.run_property`), which draws the
 same scenarios up to that one (their runs kept by `pipemetrics.properties.shared.SharedRuns`,
 not run twice), meets the failure at the same example and shrinks it as always. The example
-database is only read here (a failure it holds is replayed first, as by the real test); what
-to keep in it is the real test's business.
+database is read as by the real test (a failure it holds is replayed first); Hypothesis's
+writes to it (a saved failure that now passes is deleted) are held back and made only when
+every example passed (`_HeldWrites`): Hypothesis takes an example for passed the moment it is
+queued, so a pass that stops early must leave the database to the real test.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import queue
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from hypothesis.database import ReadOnlyDatabase
+from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import Property
@@ -60,6 +64,40 @@ class Passed:
 
     examples: int
     coverage: Coverage
+
+
+class _HeldWrites(ExampleDatabase):
+    """``database`` as the pass reads it, its writes held back until `make` (never, where the
+    pass did not pass)."""
+
+    def __init__(self, database: ExampleDatabase) -> None:
+        super().__init__()
+        self._database = database
+        self._writes: list[Callable[[], object]] = []
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        yield from self._database.fetch(key)
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self._writes.append(functools.partial(self._database.save, key, value))
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self._writes.append(functools.partial(self._database.delete, key, value))
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self._writes.append(functools.partial(self._database.move, src, dest, value))
+
+    def _start_listening(self) -> None:  # nothing written here to tell listeners of
+        pass
+
+    def _stop_listening(self) -> None:
+        pass
+
+    def make(self) -> None:
+        """Make the held writes, in order, on the database."""
+        for write in self._writes:
+            write()
+        self._writes.clear()
 
 
 class _Enough(BaseException):
@@ -146,10 +184,8 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
             raise _Enough
         judging.drawn.put(scenario)
 
-    test = property_test(
-        prop, example, options, judging.coverage,
-        None if database is None else ReadOnlyDatabase(database),
-    )  # fmt: skip
+    held = None if database is None else _HeldWrites(database)
+    test = property_test(prop, example, options, judging.coverage, held)
     thread = threading.Thread(target=judging.work, name="pipemetrics-judge-ahead", daemon=True)
     thread.start()
     drawn_to_the_end = False
@@ -165,4 +201,6 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
         thread.join()
     if not drawn_to_the_end or not judging.passing:
         return None
+    if held is not None:
+        held.make()
     return Passed(judging.examples, judging.coverage)

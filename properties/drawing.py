@@ -83,21 +83,24 @@ def property_test(
     """``example`` as the property's Hypothesis test (``coverage`` told each combination's
     floor). Run it inside `draws_independent_of_local_code`."""
     effort = options.effort
-    example._hypothesis_internal_add_digest = (  # type: ignore[attr-defined]
-        f"pipemetrics:{prop.id}:{options.profile}".encode()
-    )
     test = given(prop.scenarios(effort, options.profile))(example)
     for combination in reversed(combinations_for(prop.id, effort)):
         built = combination.scenarios(effort, options.profile, prop.id)
         coverage.expect(combination.name, len(built))
         for scenario in reversed(built):
             test = explicit_example(scenario)(test)
-    test = hypothesis_settings(
+    # The seed first: Hypothesis's seed() records settings without a database, which settings
+    # applied after it replace (applied before it, no run would save or replay a failure).
+    test = hypothesis_seed(options.seed if options.seed is not None else options.draws_seed)(test)
+    seeded: Callable[[], None] = hypothesis_settings(
         effort, effort.examples_for(options.max_examples), database=database
     )(test)
-    seeded: Callable[[], None] = hypothesis_seed(
-        options.seed if options.seed is not None else options.draws_seed
-    )(test)
+    # Where the database keeps this property's examples: the same for every pass and target
+    # (Hypothesis would key them by the test function, which differs between the pass judged
+    # ahead and the real test).
+    seeded._hypothesis_internal_database_key = (  # type: ignore[attr-defined]
+        f"pipemetrics:{prop.id}:{options.profile}".encode()
+    )
     return seeded
 
 

@@ -6,6 +6,7 @@ finds is found again by the real test at the same example, on runs already made.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,43 @@ def test_an_interruption_while_drawing_ends_the_judging_thread(
     assert checkpoints == 5
     assert not _judging_threads()
     assert len(counting.scenarios) <= 4, "a scenario drawn after the interruption was run"
+
+
+def test_a_passing_pass_leaves_the_example_database_as_the_real_test_does(
+    some_pool: TrackingPool, pool: TrackingPool, tmp_path: Path
+) -> None:
+    """A failure saved in the example database that the target no longer has is replayed
+    first and, once it passes, deleted, by the pass judged ahead as by the real test alone
+    (the pass holds Hypothesis's writes back until every example passed)."""
+    saved = tmp_path / "db"
+    broken = tmp_path / "broken.py"
+    broken.write_text("def _round_up_to_multiple(value, multiple):\n    return value\n")
+    with_db = {"database": str(saved), "seed": None, "draws_seed": 0}
+    failing, *_ = run(
+        "round_up.least_multiple",
+        dataclasses.replace(options(str(broken), tmp_path, 40), **with_db),
+        some_pool, looking_ahead=False, confirm_pool=pool,
+    )  # fmt: skip
+    assert failing.status == "fail", failing.message
+    assert _entries(saved), "the failing run saved nothing"
+    left: dict[bool, set[str]] = {}
+    for looking_ahead in (True, False):
+        database = tmp_path / f"db-{looking_ahead}"
+        shutil.copytree(saved, database)
+        fixed = dataclasses.replace(options(DEFAULT_TARGET, tmp_path, 40), **with_db)
+        passing, *_ = run(
+            "round_up.least_multiple", dataclasses.replace(fixed, database=str(database)),
+            some_pool, looking_ahead=looking_ahead,
+        )  # fmt: skip
+        assert passing.status == "pass", passing.message
+        left[looking_ahead] = _entries(database)
+    assert left[True] == left[False]
+    assert left[True] < _entries(saved), "the saved failure was kept"
+
+
+def _entries(database: Path) -> set[str]:
+    """The example database's entries (a directory per key, a file per example)."""
+    return {str(p.relative_to(database)) for p in database.rglob("*") if p.is_file()}
 
 
 def _judging_threads() -> list[threading.Thread]:
