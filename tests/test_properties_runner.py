@@ -79,9 +79,10 @@ def check_here(
     afterwards nothing is left there and no process the run started runs (the fork server and
     its resource tracker are this process's, shared with every pool)."""
     out = tmp_path / "report.json"
-    parsed = build_parser().parse_args(
-        ["check", "--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report"), *args]
-    )
+    report = ["--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report")]
+    # No example database unless the test names one: this process read check's default before
+    # tests/conftest.py switched it off.
+    parsed = build_parser().parse_args(["check", *report, "--database", "none", *args])
     bound = bounds(42, 420)
     start_forkserver()  # before the private temp dir: its socket's directory outlives the run
     processes = descendants(os.getpid())
