@@ -20,18 +20,21 @@ REUSED_STRATEGIES = 4096
 
 def reused[**P, T](factory: Callable[P, T]) -> Callable[P, T]:
     """``factory`` (its arguments all hashable), each strategy it builds kept for its arguments
-    and handed out again."""
-    return cast(Callable[P, T], functools.lru_cache(maxsize=REUSED_STRATEGIES)(factory))
+    and handed out again (arguments of different types apart: ``1`` is not ``True``)."""
+    cached = functools.lru_cache(maxsize=REUSED_STRATEGIES, typed=True)(factory)
+    return cast(Callable[P, T], cached)
 
 
 def sampled[T: Hashable](values: Iterable[T]) -> st.SearchStrategy[T]:
     """``st.sampled_from(values)``, one strategy per distinct ``values`` (Hypothesis builds a
-    new one at every call)."""
-    return _sampled(tuple(values))
+    new one at every call); values equal but of different types (``0`` and ``False``, ``1`` and
+    ``1.0``) are kept apart."""
+    kept = tuple(values)
+    return _sampled(kept, tuple(type(value) for value in kept))
 
 
 @reused
-def _sampled[T](values: tuple[T, ...]) -> st.SearchStrategy[T]:
+def _sampled[T](values: tuple[T, ...], _types: tuple[type, ...]) -> st.SearchStrategy[T]:
     return st.sampled_from(values)
 
 

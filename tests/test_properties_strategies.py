@@ -413,6 +413,9 @@ def test_pieces_drawn_inside_other_draws_are_built_once_per_arguments() -> None:
 
     assert sampled(["a", "b"]) is sampled(("a", "b"))
     assert sampled(["a", "b"]) is not sampled(("b", "a"))
+    assert sampled([0, 1]) is not sampled([False, True])  # equal, but not the same values
+    assert find(sampled([False, True]), lambda value: value) is True
+    assert s.loss_scales(1, large=True) is not s.loss_scales(True, large=True)
     assert s.splits(2, 3, flexible=True) is s.splits(2, 3, flexible=True)
     assert s.splits(2, 3) is not s.splits(3, 3)
     assert s.step_scales(2, 1, allow_one=True, forms=False, sign=1.0) is s.step_scales(
