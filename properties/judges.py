@@ -601,17 +601,19 @@ def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
 # -- broadcast ---------------------------------------------------------------------------------
 
 
-def _source_tensors(scenario: Scenario, spec: BroadcastCall) -> dict[int, dict[str, Any]]:
-    """Each calling rank's expected tensor (its own group's source tensor), described."""
-    from pipemetrics.sim.model.values import describe_tensor, make_tensor
-
-    plan = broadcast_plan(spec, scenario.setup.world)
+def _source_tensors(scenario: Scenario, view: CallView) -> dict[int, dict[str, Any]]:
+    """Each calling rank's expected tensor: its own group's source tensor, as the source
+    described it before the call (`pipemetrics.sim.collectives.protocol.CallReport.sent`)."""
+    assert isinstance(view.spec, BroadcastCall)
+    plan = broadcast_plan(view.spec, scenario.setup.world)
     described: dict[int, dict[str, Any]] = {}
     for source in sorted({role.source for role in plan.values()}):
-        tensor = make_tensor(
-            spec.shape, spec.dtype, spec.fill_seed_for(source), spec.non_contiguous, spec.strided
-        )
-        described[source] = describe_tensor(tensor) | {"source": source}
+        report = view.reports.get(source)
+        if report is None or report.sent is None:
+            raise HarnessFault(
+                f"call {view.index}: the source, global rank {source}, reported no tensor sent"
+            )
+        described[source] = report.sent | {"source": source}
     return {rank: described[role.source] for rank, role in plan.items()}
 
 
@@ -642,7 +644,7 @@ def broadcast_roundtrip(scenario: Scenario, run: WorldRun) -> list[str]:
     problems = []
     for view in call_views(scenario, run):
         assert isinstance(view.spec, BroadcastCall)
-        wants = _source_tensors(scenario, view.spec)
+        wants = _source_tensors(scenario, view)
         for rank, report in sorted(view.reports.items()):
             for line in _tensor_problems(view.spec, report.value, wants[rank]):
                 problems.append(f"{_where_call(view, rank)}: {line}")
@@ -655,7 +657,7 @@ def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
     problems = broadcast_roundtrip(scenario, run)
     for view in call_views(scenario, run):
         assert isinstance(view.spec, BroadcastCall)
-        wants = _source_tensors(scenario, view.spec)
+        wants = _source_tensors(scenario, view)
         for rank, report in sorted(view.reports.items()):
             if rank not in view.spec.buffers:
                 continue
@@ -723,7 +725,7 @@ def broadcast_errors_everywhere(scenario: Scenario, run: WorldRun) -> list[str]:
         assert isinstance(view.spec, BroadcastCall)
         plan = broadcast_plan(view.spec, scenario.setup.world)
         bad = set(_invalid_ranks(view.spec, plan))
-        wants = _source_tensors(scenario, view.spec)
+        wants = _source_tensors(scenario, view)
         missing = sorted(set(plan) - set(view.reports))
         if missing:
             problems.append(f"call {view.index}: ranks {missing} never made the call")

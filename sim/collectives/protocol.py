@@ -93,6 +93,10 @@ class CallReport(Frozen):
     total_loss_dict: dict[str, float] | None = None
     buffer: Any = None
     """``broadcast_tensor``: the receiver's own buffer after the call (encoded), if it passed one."""
+    sent: Any = None
+    """``broadcast_tensor``: on its group's source, the tensor it passed, described before the
+    call (`pipemetrics.sim.model.values.describe_tensor`): what every rank of the group must end
+    up with. Made here, where torch already is, so that the judging process never imports it."""
     composed: ComposedNames | None = None
     """A trainer-wired ``get_moe_metrics`` call: the names this rank derived and passed."""
 

@@ -68,7 +68,7 @@ from pipemetrics.sim.model.records import RankPlace
 from pipemetrics.sim.model.scenario import Scenario, Step
 from pipemetrics.sim.model.target import TargetLoadError, call_with_accepted, load_target
 from pipemetrics.sim.model.topology import BroadcastRole
-from pipemetrics.sim.model.values import encode, make_tensor
+from pipemetrics.sim.model.values import describe_tensor, encode, make_tensor
 
 WATCHDOG_PERIOD_S = 0.1
 
@@ -263,6 +263,13 @@ class RankServer:
                 }
             )
         arguments = self._arguments(scenario.setup, spec, totals)
+        sent = (
+            describe_tensor(arguments["tensor"])
+            if isinstance(spec, BroadcastCall)
+            and arguments["src_rank"] == self.rank
+            and arguments["tensor"] is not None
+            else None
+        )
         begin = time.monotonic()
         value: Any = None
         error: CallError | None = None
@@ -289,6 +296,7 @@ class RankServer:
                     if isinstance(spec, BroadcastCall) and self.rank in spec.buffers
                     else None
                 ),
+                "sent": sent,
             }
         )
 
