@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from pipemetrics.properties.ahead import drawn_together
 from pipemetrics.properties.catalogue import CATALOGUE
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import get_effort
-from pipemetrics.properties.engine import run_property
+from pipemetrics.properties.engine import run_together
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.strategies import Semantic
@@ -118,11 +119,11 @@ def measure_check_ceiling(
             database="none", report_dir=Path(report_dir), tier="inprocess", draws_seed=SEED,
         )  # fmt: skip
         began = time.perf_counter()
-        for prop in chosen:
-            result = run_property(prop, runs, options, Coverage())
-            judged += result.examples
-            if result.status != "pass":
-                failed.append(f"{prop.id}: {result.status}")
+        for together in drawn_together(chosen, options):
+            for result in run_together(together, runs, options, Coverage()):
+                judged += result.examples
+                if result.status != "pass":
+                    failed.append(f"{result.id}: {result.status}")
         check_s = time.perf_counter() - began
     scenarios = recording.scenarios
     by_shape: dict[str, list[Scenario]] = {}

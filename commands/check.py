@@ -15,6 +15,7 @@ as it becomes free (`pipemetrics.commands.worker_queue`).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -42,6 +43,7 @@ from pipemetrics.commands.options import (
 from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.commands.worker_queue import Group, dispatch, groups_of, read_groups, say_done
 from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
+from pipemetrics.properties.ahead import drawn_together
 from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import DEFAULT_DATABASE
@@ -51,7 +53,7 @@ from pipemetrics.properties.effort import (
     GENERATOR_CLASSES,
     get_effort,
 )
-from pipemetrics.properties.engine import PropertyResult, run_property
+from pipemetrics.properties.engine import PropertyResult, run_together
 from pipemetrics.properties.referee import Referee
 from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
@@ -191,14 +193,17 @@ def _run_here(
     ):
         runs = SharedRuns(pool)
         for batch in batches:
-            for place, prop in batch:
-                _err(f"[{place}] {prop.id} ...")
-                progress = _progress_for(f"[{place}] {prop.id}")
-                result = run_property(
-                    prop, runs, replace(options, progress=progress), coverage, confirm_pool
-                )
-                results.append(result)
-                _err(_outcome_line(place, result))
+            places = {prop.id: place for place, prop in batch}
+            for together in drawn_together([prop for _, prop in batch], options):
+                first, *others = together
+                alike = f" (drawn once with {', '.join(p.id for p in others)})" if others else ""
+                _err(f"[{places[first.id]}] {first.id} ...{alike}")
+                progress = functools.partial(_progress_of, places)
+                for result in run_together(
+                    together, runs, options, coverage, confirm_pool, progress
+                ):
+                    results.append(result)
+                    _err(_outcome_line(places[result.id], result))
         _err(
             f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
             "(drawn again, or by another property of the same generator)"
@@ -231,6 +236,11 @@ def _referee(
 
 def _progress_for(head: str) -> Callable[[str], None]:
     return lambda text: _err(f"{head}: {text}")
+
+
+def _progress_of(places: dict[str, str], prop: Property) -> Callable[[str], None]:
+    """The progress of ``prop``, at its place in the run."""
+    return _progress_for(f"[{places[prop.id]}] {prop.id}")
 
 
 def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:

@@ -1,25 +1,33 @@
-"""Judging ahead: a property's passing run with the drawing and the worlds at work together.
+"""Judging ahead: properties' passing runs with the drawing and the worlds at work together.
 
 Hypothesis draws an example, waits for the test to return, draws the next: drawing (CPU in this
-process) and running the world (in the world's own process) would take turns. `judge_ahead`
-runs the property's Hypothesis test (`pipemetrics.properties.drawing.property_test`, the same
+process) and running the world (in the world's own process) would take turns. `judge_together`
+runs a property's Hypothesis test (`pipemetrics.properties.drawing.property_test`, the same
 strategy, combinations, settings and seed) with a test that only hands each drawn scenario to
 a thread, which runs and judges it while Hypothesis draws the next. Before it runs one, the
 thread sends it and up to `SENT_AHEAD` drawn after it to their worlds, so that a world of the
 in-process tier has its next task in hand as soon as it answers and worlds of different shapes
-run theirs at the same time. Hypothesis's next draw
-depends only on what it drew before and on each example's outcome, so as long as every
-example passes, this pass draws exactly the scenarios the real test would: when every
-judgement passes, it *is* the property's run (its examples, coverage and verdict).
+run theirs at the same time. Hypothesis's next draw depends only on what it drew before and on
+each example's outcome, so as long as every example passes, this pass draws exactly the
+scenarios the real test would: when every judgement passes, it *is* the property's run (its
+examples, coverage and verdict).
 
-At the first example that does not pass (a failure, a world that did not start, any error,
-in Hypothesis or in the judging), the drawing stops and the pass says nothing: the property is
-run again by its real test (`pipemetrics.properties.engine.run_property`), which draws the
-same scenarios up to that one (their runs kept by `pipemetrics.properties.shared.SharedRuns`,
-not run twice), meets the failure at the same example and shrinks it as always. The example
-database is read as by the real test (a failure it holds is replayed first); Hypothesis's
-writes to it (a saved failure that now passes is deleted) are held back and made only when
-every example passed (`_HeldWrites`): Hypothesis takes an example for passed the moment it is
+One run, every judge: properties that draw alike (`drawn_alike`: one generator, no
+combinations of their own, nothing saved for them in the example database) share one pass.
+Each drawn scenario runs once and is judged by each of them, so the drawing, this process's
+largest cost, is paid once for all of them; each keeps its own examples, coverage and verdict,
+and what each is judged on is exactly what its own test would draw.
+
+A property stops being judged at its first example that does not pass (a failure, a world that
+did not start, any error in the judging); the drawing goes on while another property of the
+pass still passes, and stops when none does, or at any error of Hypothesis's (then the pass
+says nothing of any of them). A property that did not pass is run again by its real test
+(`pipemetrics.properties.engine.run_property`), which draws the same scenarios up to that one
+(their runs kept by `pipemetrics.properties.shared.SharedRuns`, not run twice), meets the
+failure at the same example and shrinks it as always. The example database is read as by the
+real test (a failure it holds is replayed first); Hypothesis's writes to it (a saved failure
+that now passes is deleted) are held back and made only when the property whose test draws
+passed every example (`_HeldWrites`): Hypothesis takes an example for passed the moment it is
 queued, so a pass that stops early must leave the database to the real test.
 """
 
@@ -30,23 +38,25 @@ import contextlib
 import functools
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
     as_judged,
+    database_keys,
     draws_independent_of_local_code,
     property_test,
     run_database,
     run_judged,
 )
 from pipemetrics.properties.run_options import RunOptions
-from pipemetrics.properties.shared import Runner
+from pipemetrics.properties.shared import Runner, SharedRuns
 from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
 from pipemetrics.sim.model.scenario import Scenario
 
@@ -106,19 +116,32 @@ class _Enough(BaseException):
 
 
 @dataclass
-class _Judging:
-    """The thread's side: runs and judges the drawn scenarios in order."""
+class _Verdict:
+    """One property's side of a pass: its examples judged so far, all passed, and its coverage."""
 
     prop: Property
+    coverage: Coverage = field(default_factory=Coverage)
+    examples: int = 0
+    passing: bool = True
+    """False from the first example that did not pass on (the rest are not judged by it)."""
+
+
+@dataclass
+class _Judging:
+    """The thread's side: runs the drawn scenarios in order, each judged by every property of
+    the pass that has passed every example so far."""
+
+    verdicts: list[_Verdict]
     runner: Runner
     options: RunOptions
-    coverage: Coverage
     drawn: queue.Queue[Scenario | None] = field(default_factory=lambda: queue.Queue(AHEAD))
-    examples: int = 0
-    """Examples judged, every one passed."""
-    passing: bool = True
-    """False from the first example that did not pass on (the rest are not judged)."""
     cancelled: bool = False
+
+    @property
+    def passing(self) -> bool:
+        """Whether a property of the pass has passed every example so far (the drawing goes on
+        while one has: its draws do not depend on how the others judged)."""
+        return any(verdict.passing for verdict in self.verdicts)
 
     def work(self) -> None:
         taken: collections.deque[Scenario] = collections.deque()  # drawn, not yet judged
@@ -135,7 +158,9 @@ class _Judging:
             scenario = taken.popleft()
             if self.passing and not self.cancelled:
                 self._send_ahead(sent, scenario, *taken)
-                self.passing = self._passes(scenario)
+                for verdict in self.verdicts:
+                    if verdict.passing:
+                        verdict.passing = self._passes(verdict, scenario)
             sent.discard(id(scenario))
 
     def _take(self, taken: collections.deque[Scenario], *, block: bool) -> bool:
@@ -153,30 +178,44 @@ class _Judging:
         """Lets the worlds start the scenario about to be judged and those drawn after it, in
         order, so that they run while this process judges the ones before
         (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what was
-        not sent). Each is offered until a world takes it (``sent``: their ids), not again."""
+        not sent). Each is offered until a world takes it (``sent``: their ids), not again.
+        Stamped with the first property (a world runs a scenario the same whichever property
+        drew it)."""
+        prop = self.verdicts[0].prop
         with contextlib.suppress(Exception):
             for scenario in drawn:
                 if id(scenario) not in sent and self.runner.send_ahead(
-                    as_judged(scenario, self.prop, self.options)
+                    as_judged(scenario, prop, self.options)
                 ):
                     sent.add(id(scenario))
 
-    def _passes(self, drawn: Scenario) -> bool:
+    def _passes(self, verdict: _Verdict, drawn: Scenario) -> bool:
         try:
-            _, _, problems = run_judged(drawn, self.prop, self.runner, self.options, self.coverage)
+            _, _, problems = run_judged(
+                drawn, verdict.prop, self.runner, self.options, verdict.coverage
+            )
         except BaseException:  # whatever it was, the real test meets it again
             return False
         if problems:
             return False
-        self.examples += 1
+        verdict.examples += 1
         return True
 
 
-def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed | None:
-    """The property's run if every example passes; None as soon as one does not (the caller
-    runs the real test). Interruptions propagate."""
+def judge_together(
+    props: Sequence[Property], runner: Runner, options: RunOptions
+) -> dict[str, Passed]:
+    """The run of each of ``props`` whose every example passes, by ID; the others (every one,
+    where Hypothesis itself failed) are left to their real tests. ``props`` draw the same
+    scenarios (`drawn_alike`; one property always does): each drawn scenario runs once (in
+    ``runner``, a `SharedRuns` for several) and is judged by each that has passed every example
+    so far. Interruptions propagate."""
+    if len(props) > 1:
+        assert drawn_alike(props, options), "only properties that draw alike are judged together"
+        if not isinstance(runner, SharedRuns):
+            runner = SharedRuns(runner)  # one world run for all of them
     database = run_database(options)
-    judging = _Judging(prop, runner, options, Coverage())
+    judging = _Judging([_Verdict(prop) for prop in props], runner, options)
 
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
@@ -185,7 +224,8 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
         judging.drawn.put(scenario)
 
     held = None if database is None else _HeldWrites(database)
-    test = property_test(prop, example, options, judging.coverage, held)
+    first = judging.verdicts[0]
+    test = property_test(first.prop, example, options, first.coverage, held)
     thread = threading.Thread(target=judging.work, name="pipemetrics-judge-ahead", daemon=True)
     thread.start()
     drawn_to_the_end = False
@@ -194,13 +234,47 @@ def judge_ahead(prop: Property, runner: Runner, options: RunOptions) -> Passed |
             test()
         drawn_to_the_end = True
     except (_Enough, Exception):
-        pass  # an example that did not pass, or an error of Hypothesis's: the real test's
+        pass  # no property passed every example, or an error of Hypothesis's: the real tests'
     finally:
         judging.cancelled = not drawn_to_the_end  # what is still queued is not judged then
         judging.drawn.put(None)  # the thread ends after the last scenario queued
         thread.join()
-    if not drawn_to_the_end or not judging.passing:
-        return None
-    if held is not None:
-        held.make()
-    return Passed(judging.examples, judging.coverage)
+    if not drawn_to_the_end:
+        return {}
+    if held is not None and first.passing:
+        held.make()  # the first property's database, as its real test would leave it
+    return {
+        verdict.prop.id: Passed(verdict.examples, verdict.coverage)
+        for verdict in judging.verdicts
+        if verdict.passing
+    }
+
+
+def drawn_alike(props: Sequence[Property], options: RunOptions) -> bool:
+    """Whether one Hypothesis run draws, for every one of ``props``, exactly the scenarios its
+    own test would draw: one generator, no combinations run first (each property builds its
+    own), and, under the run's example database, none saved for any of them (a saved example is
+    replayed first, and changes what is drawn after it)."""
+    if len({prop.scenarios for prop in props}) > 1:
+        return False
+    if any(combinations_for(prop.id, options.effort) for prop in props):
+        return False
+    database = run_database(options)
+    return database is None or not any(
+        next(iter(database.fetch(key)), None) is not None
+        for prop in props
+        for key in database_keys(prop, options)
+    )
+
+
+def drawn_together(props: Sequence[Property], options: RunOptions) -> list[tuple[Property, ...]]:
+    """``props`` in passes, in order of each pass's first property: each property with the
+    later ones that draw alike with it (`drawn_alike`), or alone."""
+    passes: list[list[Property]] = []
+    for prop in props:
+        joined = next((p for p in passes if drawn_alike([*p, prop], options)), None)
+        if joined is None:
+            passes.append([prop])
+        else:
+            joined.append(prop)
+    return [tuple(p) for p in passes]

@@ -98,10 +98,18 @@ def property_test(
     # Where the database keeps this property's examples: the same for every pass and target
     # (Hypothesis would key them by the test function, which differs between the pass judged
     # ahead and the real test).
-    seeded._hypothesis_internal_database_key = (  # type: ignore[attr-defined]
-        f"pipemetrics:{prop.id}:{options.profile}".encode()
-    )
+    seeded._hypothesis_internal_database_key = database_keys(  # type: ignore[attr-defined]
+        prop, options
+    )[0]
     return seeded
+
+
+def database_keys(prop: Property, options: RunOptions) -> tuple[bytes, ...]:
+    """Where the example database keeps the property's examples: its key (the same for every
+    pass and target) and Hypothesis's sub-keys of it (examples once failing, the Pareto
+    front)."""
+    key = f"pipemetrics:{prop.id}:{options.profile}".encode()
+    return (key, key + b".secondary", key + b".pareto")
 
 
 @contextmanager

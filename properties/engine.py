@@ -1,8 +1,8 @@
-"""Running one property with Hypothesis in a shared `WorldPool`, and collecting its result.
+"""Running properties with Hypothesis in a shared `WorldPool`, and collecting their results.
 
 A property is first judged ahead (`pipemetrics.properties.ahead`: each drawn scenario run and
-judged on a thread while the next is drawn); when every example passes, that is its run. When
-one does not, the property's real test runs here: the same ``@given`` test
+judged on a thread while the next is drawn, together with the properties that draw alike:
+`run_together`); when every example passes, that is its run. When one does not, the property's real test runs here: the same ``@given`` test
 (`pipemetrics.properties.drawing.property_test`), each example run in a pooled live world
 (worlds live across examples and properties) and judged; it draws the same scenarios up to the
 failure, on the runs already made, and Hypothesis shrinks the failure. The last failing
@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from hypothesis.errors import Flaky
 from hypothesis.reporting import with_reporter
 
-from pipemetrics.properties.ahead import judge_ahead
+from pipemetrics.properties.ahead import judge_together
 from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
@@ -181,17 +181,56 @@ def run_property(
     """Run one property to completion (pass, shrunk failure, or error).
 
     ``pool``: where its scenarios run (a `pipemetrics.properties.shared.SharedRuns` lets the
-    properties of one generator share them). ``confirm_pool``: the process-tier pool in which a failure found on another tier is run
-    again before it is reported (`confirm_failure`)."""
+    properties of one generator share them). ``confirm_pool``: the process-tier pool in which a
+    failure found on another tier is run again before it is reported (`confirm_failure`)."""
+    (result,) = run_together((prop,), pool, options, coverage, confirm_pool)
+    return result
+
+
+def run_together(
+    props: Sequence[Property],
+    pool: Runner,
+    options: RunOptions,
+    coverage: Coverage,
+    confirm_pool: Runner | None = None,
+    progress_for: Callable[[Property], Callable[[str], None]] | None = None,
+) -> list[PropertyResult]:
+    """Run ``props``, which draw alike (`pipemetrics.properties.ahead.drawn_alike`; one property
+    always does), to completion, in one pass judged ahead (`judge_together`: drawn once, each
+    scenario run once and judged by each); each that did not pass every example is then run by
+    its real test, with ``progress_for(prop)`` as its progress. A property's ``seconds`` are its
+    share of the pass (the pass's time over the properties in it) and its real test's."""
+    began = time.monotonic()
+    passed = judge_together(props, pool, options)
+    share = (time.monotonic() - began) / len(props)
+    results = []
+    for prop in props:
+        done = passed.get(prop.id)
+        if done is not None:
+            coverage.merge({"scenarios": done.coverage.scenarios, "counts": done.coverage.counts})
+            results.append(
+                PropertyResult(
+                    prop.id, prop.function, "pass", examples=done.examples, seconds=share
+                )
+            )
+            continue
+        told = options if progress_for is None else replace(options, progress=progress_for(prop))
+        result = _real_test(prop, pool, told, coverage, confirm_pool)
+        result.seconds += share
+        results.append(result)
+    return results
+
+
+def _real_test(
+    prop: Property,
+    pool: Runner,
+    options: RunOptions,
+    coverage: Coverage,
+    confirm_pool: Runner | None,
+) -> PropertyResult:
+    """The property's Hypothesis test, run here: its failure found, shrunk and confirmed."""
     effort = options.effort
     began = time.monotonic()
-    passed = judge_ahead(prop, pool, options)
-    if passed is not None:
-        coverage.merge({"scenarios": passed.coverage.scenarios, "counts": passed.coverage.counts})
-        return PropertyResult(
-            prop.id, prop.function, "pass", examples=passed.examples,
-            seconds=time.monotonic() - began,
-        )  # fmt: skip
     state = _State()
     example = _example_runner(prop, pool, options, coverage, state)
     test = property_test(prop, example, options, coverage, run_database(options))

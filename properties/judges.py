@@ -601,20 +601,28 @@ def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
 # -- broadcast ---------------------------------------------------------------------------------
 
 
-def _source_tensors(scenario: Scenario, view: CallView) -> dict[int, dict[str, Any]]:
+def _source_tensors(scenario: Scenario, view: CallView) -> dict[int, dict[str, Any] | None]:
     """Each calling rank's expected tensor: its own group's source tensor, as the source
-    described it before the call (`pipemetrics.sim.collectives.protocol.CallReport.sent`)."""
+    described it before the call (`pipemetrics.sim.collectives.protocol.CallReport.sent`);
+    None where the source sent none (it passed None, or never made the call)."""
     assert isinstance(view.spec, BroadcastCall)
     plan = broadcast_plan(view.spec, scenario.setup.world)
-    described: dict[int, dict[str, Any]] = {}
+    described: dict[int, dict[str, Any] | None] = {}
     for source in sorted({role.source for role in plan.values()}):
         report = view.reports.get(source)
-        if report is None or report.sent is None:
-            raise HarnessFault(
-                f"call {view.index}: the source, global rank {source}, reported no tensor sent"
-            )
-        described[source] = report.sent | {"source": source}
+        sent = None if report is None else report.sent
+        described[source] = None if sent is None else sent | {"source": source}
     return {rank: described[role.source] for rank, role in plan.items()}
+
+
+def _sent(view: CallView, wants: dict[int, dict[str, Any] | None], rank: int) -> dict[str, Any]:
+    """What ``rank`` must end up with, where its group's source made the call with a tensor
+    (every rank returned, none with an invalid input): a source that did and described none is
+    a fault of pipemetrics."""
+    want = wants[rank]
+    if want is None:
+        raise HarnessFault(f"call {view.index}: the source of rank {rank} described no tensor sent")
+    return want
 
 
 def _tensor_problems(spec: BroadcastCall, value: Any, want: dict[str, Any]) -> list[str]:
@@ -646,7 +654,7 @@ def broadcast_roundtrip(scenario: Scenario, run: WorldRun) -> list[str]:
         assert isinstance(view.spec, BroadcastCall)
         wants = _source_tensors(scenario, view)
         for rank, report in sorted(view.reports.items()):
-            for line in _tensor_problems(view.spec, report.value, wants[rank]):
+            for line in _tensor_problems(view.spec, report.value, _sent(view, wants, rank)):
                 problems.append(f"{_where_call(view, rank)}: {line}")
     return problems
 
@@ -662,7 +670,7 @@ def broadcast_receiver_buffer(scenario: Scenario, run: WorldRun) -> list[str]:
             if rank not in view.spec.buffers:
                 continue
             where = _where_call(view, rank)
-            for line in _tensor_problems(view.spec, report.buffer, wants[rank]):
+            for line in _tensor_problems(view.spec, report.buffer, _sent(view, wants, rank)):
                 problems.append(
                     f"{where}: the buffer it passed holds {line.removeprefix('returned ')}"
                 )
@@ -737,10 +745,10 @@ def broadcast_errors_everywhere(scenario: Scenario, run: WorldRun) -> list[str]:
                         f"{where}: raised {report.error.type}: {report.error.message[:200]} "
                         f"(no rank of its group {list(plan[rank].members)} has an invalid input)"
                     )
-                else:
+                elif (want := wants[rank]) is not None:  # else its source never called: said
                     problems += [
                         f"{where}: {line}"
-                        for line in _tensor_problems(view.spec, report.value, wants[rank])
+                        for line in _tensor_problems(view.spec, report.value, want)
                     ]
             elif report.error is None:
                 problems.append(

@@ -10,12 +10,14 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pipemetrics.properties import ahead, engine
-from pipemetrics.properties.catalogue import BY_ID
+from pipemetrics.properties.catalogue import BY_ID, Property
 from pipemetrics.properties.coverage import Coverage
+from pipemetrics.properties.drawing import database_keys, make_database
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.engine import PropertyResult, run_property
 from pipemetrics.properties.run_options import RunOptions
@@ -61,13 +63,13 @@ def run(
     counting = Counting(pool)
     runs = SharedRuns(counting)
     coverage = Coverage()
-    original = engine.judge_ahead
+    original = engine.judge_together
     if not looking_ahead:
-        engine.judge_ahead = lambda *_args: None  # type: ignore[assignment]
+        engine.judge_together = lambda *_args: {}  # type: ignore[assignment]
     try:
         result = run_property(BY_ID[property_id], runs, run_options, coverage, confirm_pool)
     finally:
-        engine.judge_ahead = original
+        engine.judge_together = original
     return result, counting, runs, coverage
 
 
@@ -131,7 +133,7 @@ def test_an_interruption_while_drawing_ends_the_judging_thread(
     monkeypatch.setattr(ahead, "raise_if_interrupted", interrupted_at_the_fifth)
     counting = Counting(some_pool)
     with pytest.raises(Interrupted):
-        ahead.judge_ahead(BY_ID["moe.values"], counting, options(DEFAULT_TARGET, tmp_path, 40))
+        ahead.judge_together([BY_ID["moe.values"]], counting, options(DEFAULT_TARGET, tmp_path, 40))
     assert checkpoints == 5
     assert not _judging_threads()
     assert len(counting.scenarios) <= 4, "a scenario drawn after the interruption was run"
@@ -167,6 +169,72 @@ def test_a_passing_pass_leaves_the_example_database_as_the_real_test_does(
         left[looking_ahead] = _entries(database)
     assert left[True] == left[False]
     assert left[True] < _entries(saved), "the saved failure was kept"
+
+
+ALIKE = ("moe.no_hang", "moe.values", "moe.names")
+"""Properties of one generator without combinations of their own: they draw alike."""
+
+
+def test_properties_that_draw_alike_share_one_pass_and_each_reports_as_alone(
+    some_pool: TrackingPool, pool: TrackingPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a copy that always reports a z_loss key (moe.names fails, the other two pass), the
+    three judged together draw once for all of them (one Hypothesis test judged ahead, then
+    moe.names' real test to shrink its failure), run each scenario once, and each reports
+    exactly what it reports run alone: status, examples, found_at, counterexample and
+    coverage."""
+    target = str(write_mutant("moe_always_reports_z_loss", tmp_path / "targets"))
+    run_options = options(target, tmp_path, 60)
+    props = [BY_ID[i] for i in ALIKE]
+    assert ahead.drawn_together(props, run_options) == [tuple(props)]
+    tests: list[str] = []
+    original = ahead.property_test
+
+    def counted(prop: Property, *args: Any) -> Any:
+        tests.append(prop.id)
+        return original(prop, *args)
+
+    monkeypatch.setattr(ahead, "property_test", counted)
+    counting = Counting(some_pool)
+    together_coverage = Coverage()
+    together = engine.run_together(
+        props, SharedRuns(counting), run_options, together_coverage, pool
+    )
+    assert tests == ["moe.no_hang"], "the properties that draw alike drew more than once"
+    made = [s.model_dump_json(exclude={"property"}) for s in counting.scenarios]
+    assert len(made) == len(set(made)), "a scenario judged together ran more than once"
+    alone_coverage = Coverage()
+    alone = [
+        run_property(prop, SharedRuns(Counting(some_pool)), run_options, alone_coverage, pool)
+        for prop in props
+    ]
+    assert len(tests) == 1 + len(props)
+    assert [r.status for r in together] == [r.status for r in alone] == ["pass", "pass", "fail"]
+    for joint, own in zip(together, alone, strict=True):
+        assert (joint.id, joint.examples, joint.found_at) == (own.id, own.examples, own.found_at)
+        assert joint.counterexample == own.counterexample
+    assert together[0].examples >= 60
+    assert together_coverage.as_json() == alone_coverage.as_json()
+    assert not _judging_threads()
+
+
+def test_only_properties_that_draw_alike_are_judged_together(tmp_path: Path) -> None:
+    """One pass per generator, in order of each pass's first property; a property with
+    combinations of its own (moe.reset) is alone, and so is one with an example saved in the
+    run's database (its own test replays it first, and then draws otherwise)."""
+    props = [BY_ID[i] for i in ("moe.no_hang", "moe.per_layer", "moe.values", "moe.reset")]
+    no_hang, per_layer, values, reset = props
+    database = tmp_path / "db"
+    with_db = dataclasses.replace(
+        options(DEFAULT_TARGET, tmp_path, 10), database=str(database), seed=None
+    )
+    assert ahead.drawn_together(props, with_db) == [(no_hang, values), (per_layer,), (reset,)]
+    saved = make_database(str(database))
+    assert saved is not None
+    saved.save(database_keys(values, with_db)[1], b"\x00")
+    assert ahead.drawn_together(props, with_db) == [(no_hang,), (per_layer,), (values,), (reset,)]
+    under_seed = dataclasses.replace(with_db, seed=0)  # --seed: no database
+    assert ahead.drawn_together(props, under_seed)[0] == (no_hang, values)
 
 
 def _entries(database: Path) -> set[str]:
