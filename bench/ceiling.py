@@ -2,8 +2,9 @@
 
 `measure_check_ceiling` runs check's loop in this process, as one check worker runs it: the
 catalogue's properties of the seed profile (or the plan's few) on the reference, at the ci
-Hypothesis profile, on the in-process tier, each scenario run once however many properties judge
-it (`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it makes. Then it runs
+Hypothesis profile, on the in-process tier, the properties that draw alike drawn in one pass
+(`pipemetrics.properties.ahead.drawn_together`) and each scenario run once however many properties
+judge it (`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it makes. Then it runs
 exactly those scenarios again in a fresh pool with `RunMode.ALONE`: every rank's own work
 (Megatron's recording, the target's calls, the snapshots) while collectives move no data and
 nothing is scheduled, matched or judged, the ceiling of any in-process tier. The ceiling's

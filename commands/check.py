@@ -206,7 +206,7 @@ def _run_here(
                     _err(_outcome_line(places[result.id], result))
         _err(
             f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
-            "(drawn again, or by another property of the same generator)"
+            "(judged by another property of the same generator, or drawn again)"
         )
         if referee is not None:
             pool.close()  # its host processes are done; the process tier gets the cores
