@@ -2,7 +2,8 @@
 
 A property is first judged ahead (`pipemetrics.properties.ahead`: each drawn scenario run and
 judged on a thread while the next is drawn, together with the properties that draw alike:
-`run_together`); when every example passes, that is its run. When one does not, the property's real test runs here: the same ``@given`` test
+`run_together`); when every example passes, that is its run. When one does not, the property's
+real test runs here: the same ``@given`` test
 (`pipemetrics.properties.drawing.property_test`), each example run in a pooled live world
 (worlds live across examples and properties) and judged; it draws the same scenarios up to the
 failure, on the runs already made, and Hypothesis shrinks the failure. The last failing
