@@ -194,11 +194,11 @@ def _run_here(
         runs = SharedRuns(pool)
         for batch in batches:
             places = {prop.id: place for place, prop in batch}
+            progress = functools.partial(_progress_of, places)
             for together in drawn_together([prop for _, prop in batch], options):
                 first, *others = together
                 alike = f" (drawn once with {', '.join(p.id for p in others)})" if others else ""
                 _err(f"[{places[first.id]}] {first.id} ...{alike}")
-                progress = functools.partial(_progress_of, places)
                 for result in run_together(
                     together, runs, options, coverage, confirm_pool, progress
                 ):
@@ -234,13 +234,10 @@ def _referee(
         _err(f"warning: referee: {note}")
 
 
-def _progress_for(head: str) -> Callable[[str], None]:
-    return lambda text: _err(f"{head}: {text}")
-
-
 def _progress_of(places: dict[str, str], prop: Property) -> Callable[[str], None]:
     """The progress of ``prop``, at its place in the run."""
-    return _progress_for(f"[{places[prop.id]}] {prop.id}")
+    head = f"[{places[prop.id]}] {prop.id}"
+    return lambda text: _err(f"{head}: {text}")
 
 
 def _worker_command(args: argparse.Namespace, ids: list[str], out: str) -> list[str]:

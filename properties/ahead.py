@@ -252,29 +252,30 @@ def judge_together(
 
 def drawn_alike(props: Sequence[Property], options: RunOptions) -> bool:
     """Whether one Hypothesis run draws, for every one of ``props``, exactly the scenarios its
-    own test would draw: one generator, no combinations run first (each property builds its
-    own), and, under the run's example database, none saved for any of them (a saved example is
-    replayed first, and changes what is drawn after it)."""
-    if len({prop.scenarios for prop in props}) > 1:
-        return False
-    if any(combinations_for(prop.id, options.effort) for prop in props):
-        return False
+    own test would draw: one generator, and none of them drawing on its own (`_drawn_alone`)."""
     database = run_database(options)
-    return database is None or not any(
-        next(iter(database.fetch(key)), None) is not None
-        for prop in props
-        for key in database_keys(prop, options)
+    return len({prop.scenarios for prop in props}) == 1 and not any(
+        _drawn_alone(prop, options, database) for prop in props
     )
 
 
 def drawn_together(props: Sequence[Property], options: RunOptions) -> list[tuple[Property, ...]]:
-    """``props`` in passes, in order of each pass's first property: each property with the
-    later ones that draw alike with it (`drawn_alike`), or alone."""
-    passes: list[list[Property]] = []
+    """``props`` in passes, in order of each pass's first property: those of one generator
+    together, but each that draws on its own (`_drawn_alone`) alone."""
+    database = run_database(options)
+    passes: dict[object, list[Property]] = {}
     for prop in props:
-        joined = next((p for p in passes if drawn_alike([*p, prop], options)), None)
-        if joined is None:
-            passes.append([prop])
-        else:
-            joined.append(prop)
-    return [tuple(p) for p in passes]
+        alone = _drawn_alone(prop, options, database)
+        passes.setdefault(prop.id if alone else prop.scenarios, []).append(prop)
+    return [tuple(members) for members in passes.values()]
+
+
+def _drawn_alone(prop: Property, options: RunOptions, database: ExampleDatabase | None) -> bool:
+    """Whether the property's own test draws otherwise than a pass shared with another of its
+    generator: combinations of its own run first (each property builds its own), or an example
+    saved for it in ``database`` (replayed first, it changes what is drawn after it)."""
+    if combinations_for(prop.id, options.effort):
+        return True
+    return database is not None and any(
+        next(iter(database.fetch(key)), None) is not None for key in database_keys(prop, options)
+    )
