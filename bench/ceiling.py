@@ -3,8 +3,9 @@
 `measure_check_ceiling` runs check's loop in this process, as one check worker runs it: the
 catalogue's properties of the seed profile (or the plan's few) on the reference, at the ci
 Hypothesis profile, on the in-process tier, the properties that draw alike drawn in one pass
-(`pipemetrics.properties.ahead.drawn_together`) and each scenario run once however many properties
-judge it (`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it makes. Then it runs
+(`pipemetrics.properties.ahead.drawn_together`), each pass judged by its guests as well
+(`pipemetrics.properties.guests`), and each scenario run once however many properties judge it
+(`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it makes. Then it runs
 exactly those scenarios again in a fresh pool with `RunMode.ALONE`: every rank's own work
 (Megatron's recording, the target's calls, the snapshots) while collectives move no data and
 nothing is scheduled, matched or judged, the ceiling of any in-process tier. The ceiling's
@@ -30,6 +31,7 @@ from pipemetrics.properties.catalogue import CATALOGUE
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import get_effort
 from pipemetrics.properties.engine import run_together
+from pipemetrics.properties.guests import guests_of
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.strategies import Semantic
@@ -50,7 +52,8 @@ class CheckCeiling:
 
     properties: int
     judged: int
-    """Scenarios judged, summed over the properties (each property's examples)."""
+    """Scenarios judged, summed over the properties (each property's examples and what it judged
+    as a guest)."""
     runs: int
     """World runs check made for them."""
     check_s: float
@@ -121,8 +124,9 @@ def measure_check_ceiling(
         )  # fmt: skip
         began = time.perf_counter()
         for together in drawn_together(chosen, options):
-            for result in run_together(together, runs, options, Coverage()):
-                judged += result.examples
+            guests = guests_of(together, chosen, options)
+            for result in run_together(together, runs, options, Coverage(), guests=guests):
+                judged += result.examples + result.also_judged
                 if result.status != "pass":
                     failed.append(f"{result.id}: {result.status}")
         check_s = time.perf_counter() - began

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from pipemetrics.properties.effort import (
     get_effort,
 )
 from pipemetrics.properties.engine import PropertyResult, run_together
+from pipemetrics.properties.guests import guests_of, merged
 from pipemetrics.properties.referee import Referee
 from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
@@ -163,6 +164,9 @@ def _err(text: str) -> None:
 def _outcome_line(place: str, result: PropertyResult) -> str:
     extra = f" ({result.message.splitlines()[0][:160]})" if result.message else ""
     label = f"{result.status} (xfail)" if result.xfail else result.status
+    if result.drawn_by is not None:  # a guest's side of the pass
+        judged = result.also_judged or result.examples
+        return f"[{place}]   as its guest, {result.id}: {label}, {judged} judged{extra}"
     return (
         f"[{place}] {result.id}: {label}, {result.examples} examples, {result.seconds:.1f} s{extra}"
     )
@@ -177,11 +181,16 @@ Numbered = list[tuple[str, Property]]
 
 
 def _run_here(
-    batches: Iterable[Numbered], options: RunOptions, coverage: Coverage
+    batches: Iterable[Numbered],
+    options: RunOptions,
+    coverage: Coverage,
+    chosen: Sequence[Property],
 ) -> list[PropertyResult]:
     """Run ``batches`` in this process, each scenario run once however many properties draw it
-    (`pipemetrics.properties.shared`); on the in-process tier, the referee judges a sample of
-    its scenarios on the process tier afterwards (`pipemetrics.properties.referee`)."""
+    (`pipemetrics.properties.shared`) and judged also by the properties of ``chosen`` that are
+    its pass's guests (`pipemetrics.properties.guests`: their results come after the pass's,
+    to be merged); on the in-process tier, the referee judges a sample of its scenarios on the
+    process tier afterwards (`pipemetrics.properties.referee`)."""
     results = []
     max_ranks = options.effort.max_ranks
     referee = Referee() if options.tier == "inprocess" else None
@@ -192,18 +201,23 @@ def _run_here(
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
     ):
         runs = SharedRuns(pool)
+        settled: set[str] = set()  # did not pass here: a guest failure would not be reported
         for batch in batches:
             places = {prop.id: place for place, prop in batch}
             progress = functools.partial(_progress_of, places)
             for together in drawn_together([prop for _, prop in batch], options):
                 first, *others = together
+                guests = [p for p in guests_of(together, chosen, options) if p.id not in settled]
                 alike = f" (drawn once with {', '.join(p.id for p in others)})" if others else ""
-                _err(f"[{places[first.id]}] {first.id} ...{alike}")
+                also = f" (also judged by {', '.join(p.id for p in guests)})" if guests else ""
+                _err(f"[{places[first.id]}] {first.id} ...{alike}{also}")
                 for result in run_together(
-                    together, runs, options, coverage, confirm_pool, progress
+                    together, runs, options, coverage, confirm_pool, progress, guests
                 ):
                     results.append(result)
-                    _err(_outcome_line(places[result.id], result))
+                    _err(_outcome_line(places[result.drawn_by or result.id], result))
+                    if result.status != "pass":
+                        settled.add(result.id)
         _err(
             f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
             "(judged by another property of the same generator, or drawn again)"
@@ -287,14 +301,16 @@ def _run_workers(
                 stop_child(proc)
         by_id = {p.id: p for p in todo}
         results: dict[str, PropertyResult] = {}
+        guests: list[PropertyResult] = []  # `merged` folds them in
         for proc, out, held in zip(procs, outs, given, strict=True):
             share = [by_id[i] for group in held for i in group.ids]
             found = _worker_results(proc.returncode, out, share, coverage)
             if isinstance(found, str):
                 return found
-            results.update((result.id, result) for result in found)
+            results.update((result.id, result) for result in found if result.drawn_by is None)
+            guests += [result for result in found if result.drawn_by is not None]
     missing = "pipemetrics fault: no worker was left to run it"
-    return [results.get(p.id) or _not_run(p, "error", missing) for p in todo]
+    return [results.get(p.id) or _not_run(p, "error", missing) for p in todo] + guests
 
 
 def _worker_results(
@@ -439,14 +455,20 @@ def run_check(args: argparse.Namespace) -> int:
             if args.worker_queue
             else [[(f"{i}/{len(todo)}", prop) for i, prop in enumerate(todo, start=1)]]
         )
-        ran = _run_here(batches, options, coverage)
+        ran = _run_here(batches, options, coverage, todo)
+    guests: list[PropertyResult] = []
+    if args.worker_json:  # the parent merges them with every other worker's
+        guests = [result for result in ran if result.drawn_by is not None]
+        ran = [result for result in ran if result.drawn_by is None]
+    else:
+        ran = merged(ran, [prop.id for prop in todo])
     for result in ran:
         result.xfail = result.id in selection.xfail and result.status == "fail"
         if result.id in selection.xfail and result.status == "pass":
             _err(f"warning: {result.id} is in the xfail list but passed")
         results[result.id] = result
     ordered = [results[p.id] for p in selection.properties if p.id in results]
-    return _finish(args, ordered, coverage, time.monotonic() - began)
+    return _finish(args, ordered + guests, coverage, time.monotonic() - began)
 
 
 def _finish(

@@ -39,7 +39,7 @@ import functools
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis.database import ExampleDatabase
 from hypothesis.reporting import with_reporter
@@ -74,6 +74,24 @@ class Passed:
 
     examples: int
     coverage: Coverage
+
+
+@dataclass
+class Guest:
+    """A guest's side of a pass (`pipemetrics.properties.guests`): the pass's scenarios it
+    judged and passed, in order, and whether the next one did not pass."""
+
+    judged: int
+    failed: bool
+
+
+@dataclass
+class Judged:
+    """What a pass found: the run of each of its properties whose every example passed, by ID
+    (the others are left to their real tests), and each guest's side, by ID."""
+
+    passed: dict[str, Passed]
+    guests: dict[str, Guest]
 
 
 class _HeldWrites(ExampleDatabase):
@@ -129,9 +147,10 @@ class _Verdict:
 @dataclass
 class _Judging:
     """The thread's side: runs the drawn scenarios in order, each judged by every property of
-    the pass that has passed every example so far."""
+    the pass, and every guest, that has passed every example so far."""
 
     verdicts: list[_Verdict]
+    guests: list[_Verdict]
     runner: Runner
     options: RunOptions
     drawn: queue.Queue[Scenario | None] = field(default_factory=lambda: queue.Queue(AHEAD))
@@ -160,7 +179,11 @@ class _Judging:
                 self._send_ahead(sent, scenario, *taken)
                 for verdict in self.verdicts:
                     if verdict.passing:
-                        verdict.passing = self._passes(verdict, scenario)
+                        verdict.passing = self._passes(verdict, scenario, self.options)
+                guest_options = replace(self.options, observe=None)  # seen once, as drawn
+                for verdict in self.guests:
+                    if verdict.passing:
+                        verdict.passing = self._passes(verdict, scenario, guest_options)
             sent.discard(id(scenario))
 
     def _take(self, taken: collections.deque[Scenario], *, block: bool) -> bool:
@@ -189,11 +212,9 @@ class _Judging:
                 ):
                     sent.add(id(scenario))
 
-    def _passes(self, verdict: _Verdict, drawn: Scenario) -> bool:
+    def _passes(self, verdict: _Verdict, drawn: Scenario, options: RunOptions) -> bool:
         try:
-            _, _, problems = run_judged(
-                drawn, verdict.prop, self.runner, self.options, verdict.coverage
-            )
+            _, _, problems = run_judged(drawn, verdict.prop, self.runner, options, verdict.coverage)
         except BaseException:  # whatever it was, the real test meets it again
             return False
         if problems:
@@ -203,19 +224,26 @@ class _Judging:
 
 
 def judge_together(
-    props: Sequence[Property], runner: Runner, options: RunOptions
-) -> dict[str, Passed]:
-    """The run of each of ``props`` whose every example passes, by ID; the others (every one,
-    where Hypothesis itself failed) are left to their real tests. ``props`` draw the same
-    scenarios (`drawn_alike`; one property always does): each drawn scenario runs once (in
-    ``runner``, a `SharedRuns` for several) and is judged by each that has passed every example
-    so far. Interruptions propagate."""
-    if len(props) > 1:
+    props: Sequence[Property],
+    runner: Runner,
+    options: RunOptions,
+    guests: Sequence[Property] = (),
+) -> Judged:
+    """The run of each of ``props`` whose every example passes; the others (every one, where
+    Hypothesis itself failed) are left to their real tests. ``props`` draw the same scenarios
+    (`drawn_alike`; one property always does): each drawn scenario runs once (in ``runner``, a
+    `SharedRuns` for several) and is judged by each that has passed every example so far, and
+    by each of ``guests`` that has (`pipemetrics.properties.guests.guests_of`: properties of
+    other generators that draw every scenario this one does; they never keep the drawing going).
+    Interruptions propagate."""
+    if len(props) > 1 or guests:
         assert drawn_alike(props, options), "only properties that draw alike are judged together"
         if not isinstance(runner, SharedRuns):
             runner = SharedRuns(runner)  # one world run for all of them
     database = run_database(options)
-    judging = _Judging([_Verdict(prop) for prop in props], runner, options)
+    judging = _Judging(
+        [_Verdict(prop) for prop in props], [_Verdict(prop) for prop in guests], runner, options
+    )
 
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
@@ -239,15 +267,19 @@ def judge_together(
         judging.cancelled = not drawn_to_the_end  # what is still queued is not judged then
         judging.drawn.put(None)  # the thread ends after the last scenario queued
         thread.join()
+    guested = {
+        verdict.prop.id: Guest(verdict.examples, not verdict.passing) for verdict in judging.guests
+    }
     if not drawn_to_the_end:
-        return {}
+        return Judged({}, guested)
     if held is not None and first.passing:
         held.make()  # the first property's database, as its real test would leave it
-    return {
+    passed = {
         verdict.prop.id: Passed(verdict.examples, verdict.coverage)
         for verdict in judging.verdicts
         if verdict.passing
     }
+    return Judged(passed, guested)
 
 
 def drawn_alike(props: Sequence[Property], options: RunOptions) -> bool:

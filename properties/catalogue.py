@@ -38,6 +38,7 @@ In Markdown the document's key templates lost their underscores (``mtp_{i}loss``
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,6 +72,30 @@ class Generator:
         if self.semantic:
             kwargs["semantic"] = semantic
         return self.strategy(effort, **kwargs)
+
+    def covers(self, other: Generator) -> bool:
+        """Whether this generator draws every scenario ``other`` draws (under every effort and
+        profile): the same strategy, each option equal or one of
+        `pipemetrics.properties.strategies.WIDER_OPTIONS` whose value here draws what the value
+        there does. A property of this generator may then judge ``other``'s scenarios: each is
+        one its own test could have drawn (`pipemetrics.properties.guests`)."""
+        if self.strategy is not other.strategy or self.semantic != other.semantic:
+            return False
+        mine, theirs = self._resolved(), other._resolved()
+        return all(
+            mine[name] == value
+            or (name in s.WIDER_OPTIONS and s.WIDER_OPTIONS[name](mine[name], value))
+            for name, value in theirs.items()
+        )
+
+    def _resolved(self) -> dict[str, object]:
+        """Every keyword option of the strategy, with its default where not given."""
+        resolved = {
+            name: parameter.default
+            for name, parameter in inspect.signature(self.strategy).parameters.items()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        return {**resolved, **dict(self.options)}
 
 
 @dataclass(frozen=True)

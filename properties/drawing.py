@@ -79,12 +79,14 @@ def property_test(
     options: RunOptions,
     coverage: Coverage,
     database: ExampleDatabase | None,
+    combinations: bool = True,
 ) -> Callable[[], None]:
     """``example`` as the property's Hypothesis test (``coverage`` told each combination's
-    floor). Run it inside `draws_independent_of_local_code`."""
+    floor; without ``combinations``, its generator's draws alone). Run it inside
+    `draws_independent_of_local_code`."""
     effort = options.effort
     test = given(prop.scenarios(effort, options.profile))(example)
-    for combination in reversed(combinations_for(prop.id, effort)):
+    for combination in reversed(combinations_for(prop.id, effort) if combinations else ()):
         built = combination.scenarios(effort, options.profile, prop.id)
         coverage.expect(combination.name, len(built))
         for scenario in reversed(built):

@@ -71,6 +71,14 @@ class PropertyResult:
     """A failure: True once it reproduced on the process tier (where a failure found by the
     in-process tier is run again before it is reported; one found on the process tier is
     there already). None for anything but a failure."""
+    also_judged: int = 0
+    """A property that passed: the scenarios of other properties' generators it judged besides
+    its own examples, each one its own generator draws too (`pipemetrics.properties.guests`);
+    0 for any other result."""
+    drawn_by: str | None = None
+    """A failure found on another property's scenarios: that property, whose generator drew it
+    (``found_at`` counts that generator's examples, and the counterexample was shrunk under
+    it). None where its own generator drew it."""
 
     def counterexample_json(self) -> dict[str, Any] | None:
         """The counterexample scenario, plus its picture under ``"picture"`` when there is one."""
@@ -90,6 +98,8 @@ class PropertyResult:
             "replay": self.replay,
             "message": self.message,
             "confirmed": self.confirmed,
+            "also_judged": self.also_judged,
+            "drawn_by": self.drawn_by,
             "cites": _cites(self.id),
         }
 
@@ -166,9 +176,12 @@ def _failure_message(failure: _Failure, flaky: bool) -> str:
     return "\n".join(lines)
 
 
-def _write_replay(prop: Property, failure: _Failure, report_dir: Path) -> str:
+def _write_replay(
+    prop: Property, failure: _Failure, report_dir: Path, drawn_by: Property | None
+) -> str:
     report_dir.mkdir(parents=True, exist_ok=True)
-    path = save_scenario(failure.scenario, report_dir / f"{prop.id}.json")
+    name = prop.id if drawn_by is None else f"{prop.id}.drawn-by.{drawn_by.id}"
+    path = save_scenario(failure.scenario, report_dir / f"{name}.json")
     return replay_command(path, failure.scenario.target)
 
 
@@ -195,18 +208,21 @@ def run_together(
     coverage: Coverage,
     confirm_pool: Runner | None = None,
     progress_for: Callable[[Property], Callable[[str], None]] | None = None,
+    guests: Sequence[Property] = (),
 ) -> list[PropertyResult]:
     """Run ``props``, which draw alike (`pipemetrics.properties.ahead.drawn_alike`; one property
     always does), to completion, in one pass judged ahead (`judge_together`: drawn once, each
-    scenario run once and judged by each); each that did not pass every example is then run by
-    its real test, with ``progress_for(prop)`` as its progress. A property's ``seconds`` are its
-    share of the pass (the pass's time over the properties in it) and its real test's."""
+    scenario run once and judged by each, and by each of ``guests``); each that did not pass
+    every example is then run by its real test, with ``progress_for(prop)`` as its progress. A
+    property's ``seconds`` are its share of the pass (the pass's time over the properties in
+    it) and its real test's. After ``props``' results, one for each guest
+    (`pipemetrics.properties.guests.merged` folds it into the guest's own)."""
     began = time.monotonic()
-    passed = judge_together(props, pool, options)
+    judged = judge_together(props, pool, options, guests)
     share = (time.monotonic() - began) / len(props)
     results = []
     for prop in props:
-        done = passed.get(prop.id)
+        done = judged.passed.get(prop.id)
         if done is not None:
             coverage.merge({"scenarios": done.coverage.scenarios, "counts": done.coverage.counts})
             results.append(
@@ -219,6 +235,26 @@ def run_together(
         result = _real_test(prop, pool, told, coverage, confirm_pool)
         result.seconds += share
         results.append(result)
+    host = props[0]
+    for guest in guests:
+        side = judged.guests[guest.id]
+        if not side.failed:
+            results.append(
+                PropertyResult(
+                    guest.id, guest.function, "pass", also_judged=side.judged, drawn_by=host.id
+                )
+            )
+            continue
+        told = replace(
+            options,
+            observe=None,  # the referee saw each scenario as its own generator drew it
+            progress=None if progress_for is None else progress_for(guest),
+        )
+        result = _real_test(guest, pool, told, Coverage(), confirm_pool, drawn_by=host)
+        if result.status == "pass":  # it did not fail again: what it judged, judged besides
+            result.also_judged, result.examples = result.examples, 0
+        result.drawn_by = host.id
+        results.append(result)
     return results
 
 
@@ -228,13 +264,21 @@ def _real_test(
     options: RunOptions,
     coverage: Coverage,
     confirm_pool: Runner | None,
+    drawn_by: Property | None = None,
 ) -> PropertyResult:
-    """The property's Hypothesis test, run here: its failure found, shrunk and confirmed."""
+    """The property's Hypothesis test, run here: its failure found, shrunk and confirmed.
+    ``drawn_by``: the test of ``prop``'s judge on that property's generator instead (its
+    scenarios as that one's test draws them: no combinations, no example database), where the
+    property failed as its guest (`pipemetrics.properties.guests`)."""
     effort = options.effort
     began = time.monotonic()
     state = _State()
-    example = _example_runner(prop, pool, options, coverage, state)
-    test = property_test(prop, example, options, coverage, run_database(options))
+    drawing = prop if drawn_by is None else replace(prop, scenarios=drawn_by.scenarios)
+    example = _example_runner(drawing, pool, options, coverage, state)
+    if drawn_by is None:
+        test = property_test(prop, example, options, coverage, run_database(options))
+    else:
+        test = property_test(drawing, example, options, coverage, None, combinations=False)
     result = PropertyResult(prop.id, prop.function, "pass")
     flaky = False
     said: list[str] = []
@@ -273,7 +317,7 @@ def _real_test(
             )
         result.picture = failure.picture
         result.counterexample = failure.scenario.model_dump(mode="json")
-        result.replay = _write_replay(prop, failure, options.report_dir)
+        result.replay = _write_replay(prop, failure, options.report_dir, drawn_by)
         if pool.tier == "process":
             result.confirmed = True  # found in real processes over real gloo
         else:

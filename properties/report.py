@@ -3,8 +3,12 @@ a Markdown summary (for a CI job summary).
 
 JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id", "function",
 "status", "examples", "found_at", "seconds", "counterexample", "replay", "message", "confirmed",
-"cites"}]}`` plus the additional top-level key ``"coverage"``. ``found_at`` is the example at
-which a failure first appeared, before shrinking (null otherwise). ``confirmed`` is true for a failure that
+"also_judged", "drawn_by", "cites"}]}`` plus the additional top-level key ``"coverage"``.
+``found_at`` is the example at which a failure first appeared, before shrinking (null
+otherwise); ``drawn_by`` names the property whose generator drew it when not its own (null
+otherwise; ``found_at`` then counts that generator's examples), and ``also_judged`` counts the
+scenarios of other generators a passing property judged besides its examples (0 otherwise;
+`pipemetrics.properties.guests`). ``confirmed`` is true for a failure that
 reproduced on the process tier (every reported failure; a failure of the in-process tier that
 did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
 key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.results.picture`.
@@ -132,6 +136,11 @@ def print_failures(results: list[PropertyResult], out: TextIO) -> None:
         )
         out.write(f"requires: {BY_ID[r.id].cites}\n" if r.id in BY_ID else "")
         out.write(f"{r.message}\n")
+        if r.drawn_by is not None:
+            out.write(
+                f"found at example {r.found_at} of {r.drawn_by}'s scenarios (each one its own "
+                "generator draws too), shrunk under that generator\n"
+            )
         if r.counterexample is not None:
             out.write("minimal counterexample:\n")
             out.write(_counterexample_summary(r.counterexample) + "\n")

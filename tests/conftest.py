@@ -34,6 +34,7 @@ import pytest
 # run here, and every command a test starts, has no example database unless it names one.
 os.environ["PIPEMETRICS_HYPOTHESIS_DB"] = "none"
 
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.worlds.pool import Tier, WorldPool
 
 
@@ -126,6 +127,14 @@ def pool() -> Iterator[TrackingPool]:
 def inprocess_pool() -> Iterator[TrackingPool]:
     """Worlds of the in-process tier (one host process each), with the same leak checks."""
     with tracking_pool("inprocess") as tracking:
+        yield tracking
+
+
+@pytest.fixture(scope="module")
+def some_pool() -> Iterator[TrackingPool]:
+    """The in-process tier where the installed megatron-core runs it (faster), else processes:
+    for what is the same on either (judging ahead, guests)."""
+    with tracking_pool("process" if inprocess_unsupported() else "inprocess") as tracking:
         yield tracking
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +23,11 @@ from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.sim.collectives.interrupt import Interrupted
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET
-from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
 from .broken.mutants import write_mutant
-from .conftest import TrackingPool, tracking_pool
+from .conftest import TrackingPool
 from .test_properties_mutants import MAX_EXAMPLES as MUTANT_EXAMPLES
 from .test_shared_runs import Counting
-
-
-@pytest.fixture(scope="module")
-def some_pool() -> Iterator[TrackingPool]:
-    """The in-process tier where the installed megatron-core runs it (faster), else processes:
-    judging ahead is the same on either."""
-    with tracking_pool("process" if inprocess_unsupported() else "inprocess") as tracking:
-        yield tracking
 
 
 def options(target: str, tmp_path: Path, max_examples: int) -> RunOptions:
@@ -65,7 +55,7 @@ def run(
     coverage = Coverage()
     original = engine.judge_together
     if not looking_ahead:
-        engine.judge_together = lambda *_args: {}  # type: ignore[assignment]
+        engine.judge_together = lambda *_args: ahead.Judged({}, {})  # type: ignore[assignment]
     try:
         result = run_property(BY_ID[property_id], runs, run_options, coverage, confirm_pool)
     finally:

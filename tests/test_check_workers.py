@@ -66,9 +66,12 @@ def _same(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_two_workers_report_what_one_does(tmp_path: Path, bounds: Bounds) -> None:
-    """Same verdicts, examples and merged coverage, seeded: each property draws its own."""
+    """Same verdicts, examples and merged coverage, seeded: each property draws its own; and
+    what a property judged as a guest of another generator's pass (mtp.keys of mtp.loss_scale's)
+    is merged into its result wherever that pass ran."""
     run = ("--only", "round_up.least_multiple", "track_names.router_parity",
-           "broadcast.value_error", "--max-examples", "8", "--seed", "0")  # fmt: skip
+           "broadcast.value_error", "mtp.keys", "mtp.loss_scale", "--max-examples", "8",
+           "--seed", "0")  # fmt: skip
     reports = []
     for workers in ("1", "2"):
         where = tmp_path / f"n{workers}"
@@ -77,3 +80,6 @@ def test_two_workers_report_what_one_does(tmp_path: Path, bounds: Bounds) -> Non
         assert code == 0 and data is not None, output
         reports.append(_same(data))
     assert reports[0] == reports[1]
+    by_id = {entry["id"]: entry for entry in reports[0]["properties"]}
+    assert by_id["mtp.keys"]["also_judged"] == by_id["mtp.loss_scale"]["examples"] >= 8
+    assert by_id["mtp.loss_scale"]["also_judged"] == 0
