@@ -245,10 +245,11 @@ def run_together(
                 )
             )
             continue
+        say = None if progress_for is None else progress_for(host)  # the guest's may be elsewhere
         told = replace(
             options,
             observe=None,  # the referee saw each scenario as its own generator drew it
-            progress=None if progress_for is None else progress_for(guest),
+            progress=None if say is None else _as_guest(say, guest),
         )
         result = _real_test(guest, pool, told, Coverage(), confirm_pool, drawn_by=host)
         if result.status == "pass":  # it did not fail again: what it judged, judged besides
@@ -256,6 +257,11 @@ def run_together(
         result.drawn_by = host.id
         results.append(result)
     return results
+
+
+def _as_guest(say: Callable[[str], None], guest: Property) -> Callable[[str], None]:
+    """``say`` (the host's progress) for what ``guest`` does as its guest."""
+    return lambda text: say(f"as its guest, {guest.id}: {text}")
 
 
 def _real_test(

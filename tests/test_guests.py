@@ -64,14 +64,18 @@ def test_a_guest_failure_is_met_again_at_the_same_example_and_shrunk_under_the_h
     """A copy whose per-layer keys count from 1: moe.per_layer, a guest of moe.loss_scale's pass,
     fails there; its judge on moe.loss_scale's generator fails at the same example, and the
     shrunk counterexample is one of that generator's (no scale of 1), confirmed on the process
-    tier, its replay file apart from the property's own."""
+    tier, its replay file apart from the property's own, its progress told as the host's."""
     target = str(write_mutant("moe_per_layer_one_based", tmp_path / "targets"))
     run_options = options(target, tmp_path, 40)
     host, guest = BY_ID["moe.loss_scale"], BY_ID["moe.per_layer"]
     runs = SharedRuns(some_pool)
     side = ahead.judge_together((host,), runs, run_options, (guest,)).guests[guest.id]
     assert side.failed
-    results = engine.run_together((host,), runs, run_options, Coverage(), pool, guests=(guest,))
+    said: list[str] = []
+    only_the_hosts = {host.id: said.append}  # the guest may be numbered in another process
+    results = engine.run_together(
+        (host,), runs, run_options, Coverage(), pool, lambda p: only_the_hosts[p.id], (guest,)
+    )
     own, found = results
     assert own.id == host.id and own.drawn_by is None
     assert (found.id, found.status, found.drawn_by) == (guest.id, "fail", host.id)
@@ -84,6 +88,7 @@ def test_a_guest_failure_is_met_again_at_the_same_example_and_shrunk_under_the_h
     scales = [call.loss_scale for step in scenario.steps for call in step.calls]  # type: ignore[union-attr]
     assert scales and 1.0 not in scales, "not shrunk under moe.loss_scale's generator"
     assert found.replay is not None and "moe.per_layer.drawn-by.moe.loss_scale.json" in found.replay
+    assert any(line.startswith("as its guest, moe.per_layer: failed at example") for line in said)
 
 
 def test_a_guest_that_passes_counts_what_it_judged(
