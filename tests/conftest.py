@@ -50,6 +50,51 @@ def pytest_configure(config: pytest.Config) -> None:
     left in the temporary directory). xdist workers get their own handler."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    config.addinivalue_line(
+        "markers",
+        "release_independent: the test's outcome cannot depend on the megatron-core release; "
+        "ci/test.sh proves it by running it with megatron-core unreachable (tests/release_block), "
+        "and the oldest release's leg leaves it out",
+    )
+
+
+RELEASE_BLOCK_LOG = os.environ.get("PIPEMETRICS_RELEASE_BLOCK_LOG")
+"""Set by ci/test.sh for its run of the release_independent tests (tests/release_block)."""
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under the release block only tests marked release_independent may run: any other is an
+    error of the command line, not of the test."""
+    if RELEASE_BLOCK_LOG:
+        unmarked = [item.nodeid for item in items if not item.get_closest_marker(INDEPENDENT)]
+        if unmarked:
+            raise pytest.UsageError(
+                "under the release block (PIPEMETRICS_RELEASE_BLOCK_LOG) only tests marked "
+                f"release_independent run; select them with -m {INDEPENDENT}: {unmarked[:5]}"
+            )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under the release block the session fails when any process it started reached
+    megatron-core, whatever the code did with the exception (tests/release_block)."""
+    if not RELEASE_BLOCK_LOG or hasattr(session.config, "workerinput"):
+        return
+    try:
+        reached = Path(RELEASE_BLOCK_LOG).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        reached = []
+    if reached:
+        sys.stderr.write(
+            "\nmegatron-core was reached under the release block: a test marked "
+            f"{INDEPENDENT} depends on the release (remove its marker):\n"
+            + "\n".join(reached[:20])
+            + "\n"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+INDEPENDENT = "release_independent"
 
 
 def pid_alive(pid: int) -> bool:
