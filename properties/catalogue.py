@@ -1,10 +1,12 @@
-"""The property catalogue. Property IDs are a public contract: never rename or reuse one.
+"""The property catalogue. Property IDs are a public contract: never rename or reuse one (the
+README's list of them is their guard: ``tests/test_property_ids_doc.py``).
 
-Each `Property` names the seed API function it tests, the sentence of the API document
-(``docs/megatron-common-api.txt``, the documentation of ``nemo_rl.models.megatron.common``)
-or the Megatron behaviour it enforces (``cites``), the semantic profiles it belongs to, a strategy
-of scenarios (given the Hypothesis profile and the semantic profile) and a judge that turns the run
-into problems.
+Each `Property` names the seed API function it tests, what it enforces (``citations``: the
+words of the API document, ``docs/megatron-common-api.txt``, the documentation of
+``nemo_rl.models.megatron.common``, as `Doc`; megatron-core's source, with file and release, as
+`Source`; pipemetrics' own reading as `Interpretation`: `pipemetrics.properties.citations`), the
+semantic profiles it belongs to, a strategy of scenarios (given the Hypothesis profile and the
+semantic profile) and a judge that turns the run into problems.
 
 Semantic profiles:
 
@@ -32,7 +34,8 @@ where the reference promises the same results for every form (issue 12, section 
 ``loss_scale`` properties cite the type along with the sentence they enforce.
 
 In Markdown the document's key templates lost their underscores (``mtp_{i}loss``,
-``moe/{name}layer{i}``); the keys are Megatron-LM's ``mtp_{i}_loss``,
+``mtp{i}_acceptance_rate``, ``moe/{name}layer{i}``): a `Doc` quotes them so, and an
+`Interpretation` beside it says that the keys are Megatron-LM's ``mtp_{i}_loss``,
 ``mtp_{i}_acceptance_rate`` and ``moe/{name}_layer_{i}``.
 """
 
@@ -44,8 +47,10 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
+from pipemetrics.properties import citations as c
 from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
+from pipemetrics.properties.citations import Citation, Doc, Interpretation, Source
 from pipemetrics.properties.effort import Effort
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.model.scenario import Scenario
@@ -103,8 +108,10 @@ class Property:
     id: str
     function: str
     summary: str
-    cites: str
-    """The sentence of the API document (quoted) or the Megatron behaviour it enforces."""
+    citations: tuple[Citation, ...]
+    """What it enforces: the API document's words (`Doc`), megatron-core's source (`Source`),
+    pipemetrics' reading (`Interpretation`); ``tests/test_citations.py`` holds each quote to the
+    words it quotes."""
     scenarios: Generator
     judge: j.Judge
     profiles: frozenset[Semantic] = EVERY_PROFILE
@@ -114,6 +121,11 @@ class Property:
     @property
     def functions(self) -> tuple[str, ...]:
         return (self.function, *self.also_calls)
+
+    @property
+    def cites(self) -> str:
+        """The citations as one line, as reports print them (`pipemetrics.properties.citations`)."""
+        return c.text(self.citations)
 
 
 def _with(strategy: Callable[..., st.SearchStrategy[Scenario]], **options: object) -> Generator:
@@ -137,45 +149,94 @@ MOE = "get_moe_metrics"
 MTP = "get_mtp_metrics"
 BROADCAST = "broadcast_tensor"
 
+MTP_FILE = "megatron/core/transformer/multi_token_prediction.py"
+MOE_LOGGING_FILE = "megatron/core/transformer/moe/moe_logging.py"
+READ_IN = "0.19.2"
+"""The megatron-core release the `Source` quotes were read in."""
+
 DOC_MOE_RETURNS = (
-    '"This function reduces MoE auxiliary losses across ranks, aggregates them, and returns a '
-    'dictionary of metrics." / "For each aux loss name, the mean value is returned under the '
-    'same key (e.g., "load_balancing_loss")."'
+    Doc(
+        "This function reduces MoE auxiliary losses across ranks, aggregates them, and returns a "
+        "dictionary of metrics."
+    ),
+    Doc(
+        "For each aux loss name, the mean value is returned under the same key "
+        '(e.g., "load_balancing_loss").'
+    ),
 )
 DOC_PREINIT = (
-    '"num_layers/mtp_num_layers/track_names pre-initialize the aux-loss tracker so every '
-    "pipeline-parallel rank participates in the collective all_reduce below with an "
-    "equally-sized tensor, preventing a hang when some PP rank did not record an aux loss this "
-    "step (e.g. a stage with no MoE layer, or an MTP MoE layer that lives only on the last "
-    'stage)."'
+    Doc(
+        "num_layers/mtp_num_layers/track_names pre-initialize the aux-loss tracker so every "
+        "pipeline-parallel rank participates in the collective all_reduce below with an "
+        "equally-sized tensor, preventing a hang when some PP rank did not record an aux loss "
+        "this step (e.g. a stage with no MoE layer, or an MTP MoE layer that lives only on the "
+        "last stage)."
+    ),
+)
+DOC_MTP_REDUCES = Doc(
+    "This function reduces MTP metrics across ranks and returns a dictionary of metrics."
 )
 DOC_MTP_RETURNS = (
-    '"Each MTP layer\'s loss is returned under the key "mtp_{i}_loss" and acceptance rate '
-    'under "mtp_{i}_acceptance_rate" where i is 1-indexed (matching Megatron-LM)."'
+    Doc(
+        'Each MTP layer\'s loss is returned under the key "mtp_{i}loss" and acceptance rate '
+        'under "mtp{i}_acceptance_rate" where i is 1-indexed (matching Megatron-LM).'
+    ),
+    Interpretation(
+        "the document's Markdown lost two underscores: the keys are Megatron-LM's mtp_{i}_loss "
+        "and mtp_{i}_acceptance_rate"
+    ),
 )
 DOC_MTP_SCALE = (
-    "\"loss_scale - Scale factor applied to each MTP layer's loss (e.g., 1/num_microbatches). "
-    "MTPLossLoggingHelper accumulates the per-microbatch loss across microbatches without "
-    'dividing, so callers must pass 1/num_microbatches to recover the mean." / "Acceptance rate '
-    'is a ratio of counts and is not scaled."'
+    Doc(
+        "loss_scale – Scale factor applied to each MTP layer's loss (e.g., 1/num_microbatches). "
+        "MTPLossLoggingHelper accumulates the per-microbatch loss across microbatches without "
+        "dividing, so callers must pass 1/num_microbatches to recover the mean (mirroring "
+        "get_moe_metrics)."
+    ),
+    Doc("Acceptance rate is a ratio of counts and is not scaled."),
 )
 DOC_MTP_EMPTY_LAYER = (
-    "A layer without valid positions: the document is silent (it names no case without "
-    'tokens); its keys are "matching Megatron-LM", whose track_mtp_metrics clamps the count: '
-    '"Empty masks can leave no valid MTP positions, so clamp denominators to avoid NaNs." '
-    "(megatron-core 0.19+ and main), so its rate is 100 * 0 / max(0, 1) = 0 and its loss, which "
-    "process_mtp_loss records as loss * (num_tokens > 0) / num_tokens.clamp(min=1), is 0; seed "
-    "and megatron profiles alike"
+    Doc("where i is 1-indexed (matching Megatron-LM)"),
+    Interpretation(
+        "a layer without valid positions: the document is silent (it names no case without "
+        "tokens); its keys follow Megatron-LM, whose track_mtp_metrics clamps the count "
+        "(megatron-core 0.19+ and main)"
+    ),
+    Source(
+        MTP_FILE,
+        READ_IN,
+        "Empty masks can leave no valid MTP positions, so clamp denominators to avoid NaNs.",
+    ),
+    Interpretation(
+        "so its rate is 100 * 0 / max(0, 1) = 0, and its loss, as process_mtp_loss records it, "
+        "is 0; seed and megatron profiles alike"
+    ),
+    Source(
+        MTP_FILE,
+        READ_IN,
+        "mtp_loss_for_log = ( torch.sum(mtp_loss) * (num_tokens > 0).to(mtp_loss.dtype) ) "
+        "/ num_tokens.clamp(min=1)",
+    ),
 )
 DOC_LOSS_SCALE_TYPE = (
-    '"get_moe_metrics(loss_scale: float, ...)" / "get_mtp_metrics(loss_scale: float = 1.0)": any '
-    "float (numpy.float64 is one), of any sign and size, or no argument for get_mtp_metrics "
-    "(strict: also a 0-d tensor and a numpy float32, the reference's promise)"
+    Doc("get_moe_metrics( loss_scale: float,"),
+    Doc("get_mtp_metrics(loss_scale: float = 1.0)"),
+    Interpretation(
+        "any float (numpy.float64 is one), of any sign and size, or no argument for "
+        "get_mtp_metrics (strict: also a 0-d tensor and a numpy float32, the reference's promise)"
+    ),
 )
+DOC_VALUE_ERROR = Doc(
+    "ValueError – If the tensor is None on the source rank, or if a tensor provided on a "
+    "non-source rank has mismatched shape/dtype/device."
+)
+EVERY_ARGUMENT = Interpretation("for every argument the signature allows")
 MEGATRON_CLEARS = (
-    "Megatron-LM's training_log reports once per step and clears the trackers afterwards "
-    "(MoEMetricsTracker.report -> clear(), track_mtp_metrics -> clean_metrics_in_tracker()); "
-    "loss_scale = 1/num_microbatches then gives the step's mean"
+    Interpretation(
+        "Megatron-LM's training_log reports once per step and clears the trackers afterwards "
+        "(MoEMetricsTracker.report -> clear(), track_mtp_metrics -> clean_metrics_in_tracker()); "
+        "loss_scale = 1/num_microbatches then gives the step's mean"
+    ),
 )
 
 CATALOGUE: tuple[Property, ...] = (
@@ -183,7 +244,13 @@ CATALOGUE: tuple[Property, ...] = (
         "round_up.least_multiple",
         "_round_up_to_multiple",
         "the least multiple of `multiple` that is >= value, as an int",
-        '"_round_up_to_multiple(value: int, multiple: int) -> int": rounds value up to a multiple',
+        (
+            Doc("_round_up_to_multiple(value: int, multiple: int) → int"),
+            Interpretation(
+                "the document gives the signature alone: the name says the rest, value rounded up "
+                "to a multiple of multiple"
+            ),
+        ),
         Generator(s.round_up_scenarios, semantic=False),
         j.checked(j.round_up_least_multiple),
     ),
@@ -192,10 +259,14 @@ CATALOGUE: tuple[Property, ...] = (
         BROADCAST,
         "every rank gets the source tensor (dtype, shape, values), receivers passing None or a "
         "buffer",
-        '"Broadcasts a tensor from src_rank to all ranks in the group" / "Can be None on '
-        'non-source ranks (will be created with correct shape/dtype)" / "Returns: The '
-        "broadcasted tensor. On non-source ranks, this will be the tensor received from the "
-        'source."',
+        (
+            Doc("Broadcasts a tensor from src_rank to all ranks in the group"),
+            Doc("Can be None on non-source ranks (will be created with correct shape/dtype)"),
+            Doc(
+                "Returns: The broadcasted tensor. On non-source ranks, this will be the tensor "
+                "received from the source."
+            ),
+        ),
         _broadcast("mixed"),
         j.checked(j.broadcast_roundtrip),
     ),
@@ -203,8 +274,12 @@ CATALOGUE: tuple[Property, ...] = (
         "broadcast.receiver_buffer",
         BROADCAST,
         "a receiver's valid buffer is filled and returned",
-        "\"If not None on non-source ranks, it's used as the buffer for the broadcast and must "
-        "match the source tensor's metadata.\"",
+        (
+            Doc(
+                "If not None on non-source ranks, it's used as the buffer for the broadcast and "
+                "must match the source tensor's metadata."
+            ),
+        ),
         _broadcast("buffers"),
         j.checked(j.broadcast_receiver_buffer),
     ),
@@ -213,8 +288,7 @@ CATALOGUE: tuple[Property, ...] = (
         BROADCAST,
         "the rank whose input is invalid (source passing None, receiver buffer of the wrong "
         "shape, dtype or device) raises ValueError; what its peers do is left open",
-        '"Raises: ValueError - If the tensor is None on the source rank, or if a tensor '
-        'provided on a non-source rank has mismatched shape/dtype/device."',
+        (DOC_VALUE_ERROR,),
         _broadcast("invalid"),
         j.broadcast_value_error,
     ),
@@ -222,8 +296,13 @@ CATALOGUE: tuple[Property, ...] = (
         "broadcast.errors_everywhere",
         BROADCAST,
         "an invalid input on any rank raises ValueError on every rank; no rank hangs",
-        "pipemetrics' reference (strict profile): the document's ValueError, raised on every "
-        "rank of the group after one metadata round, so no peer is left in the broadcast",
+        (
+            DOC_VALUE_ERROR,
+            Interpretation(
+                "pipemetrics' reference (strict profile): that ValueError, raised on every rank "
+                "of the group after one metadata round, so no peer is left in the broadcast"
+            ),
+        ),
         _broadcast("invalid"),
         j.broadcast_errors_everywhere,
         STRICT_ONLY,
@@ -234,11 +313,18 @@ CATALOGUE: tuple[Property, ...] = (
         "the load-balancing names megatron-core's TopKRouter records for the config, every "
         "name returned in recording order (a returned z_loss first), and z_loss only where it "
         "records one (strict: z_loss too, first, whenever moe_z_loss_coeff is set)",
-        '"Returns the aux-loss tracker names the router records for a model config." / '
-        '"Aux-loss tracker names to pre-initialize, in the order Megatron records them. Empty '
-        'when no aux loss is enabled." (whether z_loss counts as an aux loss is left open, '
-        "its place when returned is not: the router records it first; a z_loss the router does "
-        "not record, without moe_z_loss_coeff, is never one of them)",
+        (
+            Doc("Returns the aux-loss tracker names the router records for a model config."),
+            Doc(
+                "Aux-loss tracker names to pre-initialize, in the order Megatron records them. "
+                "Empty when no aux loss is enabled."
+            ),
+            Interpretation(
+                "whether z_loss counts as an aux loss is left open, its place when returned is "
+                "not: the router records it first; a z_loss the router does not record, without "
+                "moe_z_loss_coeff, is never one of them"
+            ),
+        ),
         Generator(s.track_names_scenarios, semantic=False),
         j.checked(j.track_names_parity),
     ),
@@ -246,7 +332,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.no_hang",
         MOE,
         "every rank returns: no hang, crash, mismatched collective or exception",
-        DOC_PREINIT + "; for every argument the signature allows: " + DOC_LOSS_SCALE_TYPE,
+        (*DOC_PREINIT, EVERY_ARGUMENT, *DOC_LOSS_SCALE_TYPE),
         _moe(),
         j.checked(j.no_problems),
     ),
@@ -254,7 +340,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.values",
         MOE,
         "per-name means equal the oracle's",
-        DOC_MOE_RETURNS + '; "loss_scale - Scale factor to apply to each auxiliary loss"',
+        (*DOC_MOE_RETURNS, Doc("loss_scale – Scale factor to apply to each auxiliary loss")),
         _moe(),
         j.checked(j.moe_values),
     ),
@@ -263,9 +349,14 @@ CATALOGUE: tuple[Property, ...] = (
         MOE,
         "every rank returns the same keys, and the value of every rank that Megatron's "
         "reduction gives the same value",
-        DOC_MOE_RETURNS + " (Megatron's reduction spans every rank for every name on 0.19, so "
-        "every rank holds the same reduced values; on 0.13-0.18 the router records z_loss "
-        "without groups, and its tensor-parallel ranks keep their own values)",
+        (
+            *DOC_MOE_RETURNS,
+            Interpretation(
+                "Megatron's reduction spans every rank for every name on 0.19, so every rank "
+                "holds the same reduced values; on 0.13-0.18 the router records z_loss without "
+                "groups, and its tensor-parallel ranks keep their own values"
+            ),
+        ),
         _moe(),
         j.checked(j.moe_rank_agreement),
     ),
@@ -281,9 +372,24 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.per_layer",
         MOE,
         "per_layer_logging adds moe/{name}_layer_{i} = loss_scale * v[i] and nothing else",
-        '"per_layer_logging - If True, include per-layer values in the returned dict." / '
-        '"per-layer values are returned under keys of the form moe/{name}_layer_{i}" (i from 0, '
-        "as Megatron-LM's per-layer logging enumerates the tracker)",
+        (
+            Doc("per_layer_logging – If True, include per-layer values in the returned dict."),
+            Doc(
+                "If per_layer_logging is True, per-layer values are returned under keys of the "
+                'form "moe/{name}layer{i}".'
+            ),
+            Interpretation(
+                "the document's Markdown lost the key's underscores: the keys are Megatron-LM's "
+                "moe/{name}_layer_{i}, i from 0, as Megatron-LM's per-layer logging enumerates "
+                "the tracker"
+            ),
+            Source(MOE_LOGGING_FILE, READ_IN, "for i, val in enumerate(values.tolist()):"),
+            Source(
+                MOE_LOGGING_FILE,
+                READ_IN,
+                'writer.add_scalar(f"moe/{name}_layer_{i}", val, iteration)',
+            ),
+        ),
         _moe(per_layer=True),
         j.checked(j.moe_per_layer),
     ),
@@ -291,8 +397,13 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.loss_scale",
         MOE,
         "means and per-layer values are scaled by loss_scale exactly once",
-        '"loss_scale - Scale factor to apply to each auxiliary loss (e.g., 1/num_microbatches)." / '
-        + DOC_LOSS_SCALE_TYPE,
+        (
+            Doc(
+                "loss_scale – Scale factor to apply to each auxiliary loss "
+                "(e.g., 1/num_microbatches)."
+            ),
+            *DOC_LOSS_SCALE_TYPE,
+        ),
         _moe(per_layer=True, scale_one=False),
         j.checked(j.moe_loss_scale),
     ),
@@ -300,7 +411,7 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.total_loss_dict",
         MOE,
         "total_loss_dict accumulates the per-name means of every step",
-        '"total_loss_dict - If provided, accumulate means into this dict (by name)."',
+        (Doc("total_loss_dict – If provided, accumulate means into this dict (by name)."),),
         _moe(min_steps=1, max_steps=3, total_loss_dict=True),
         j.checked(j.moe_total_loss_dict),
     ),
@@ -316,7 +427,10 @@ CATALOGUE: tuple[Property, ...] = (
         "moe.router_mode",
         MOE,
         "values equal the oracle when megatron-core's real routers fill the tracker",
-        DOC_MOE_RETURNS + ", on trackers filled by megatron-core's TopKRouter itself",
+        (
+            *DOC_MOE_RETURNS,
+            Interpretation("on trackers filled by megatron-core's TopKRouter itself"),
+        ),
         _with(s.router_scenarios),
         j.checked(j.moe_all_values),
     ),
@@ -324,10 +438,15 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.no_hang",
         MTP,
         "every rank returns: no hang, crash, mismatched collective or exception",
-        '"This function reduces MTP metrics across ranks and returns a dictionary of metrics." '
-        "(Megatron's MTP reduction has no pipeline collective: ranks without MTP layers hold no "
-        "tracker and take part in none), for every argument the signature allows: "
-        + DOC_LOSS_SCALE_TYPE,
+        (
+            DOC_MTP_REDUCES,
+            Interpretation(
+                "Megatron's MTP reduction has no pipeline collective: ranks without MTP layers "
+                "hold no tracker and take part in none"
+            ),
+            EVERY_ARGUMENT,
+            *DOC_LOSS_SCALE_TYPE,
+        ),
         _mtp(),
         j.checked(j.no_problems),
     ),
@@ -337,9 +456,13 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp_{i}_loss / mtp_{i}_acceptance_rate with i from 1 on MTP ranks, {} elsewhere "
         "(no rate with megatron-core 0.18 or with dev's acceptance collection off: no counts); "
         "a holder returning {} or fewer keys: the MTP metrics went missing",
-        DOC_MTP_RETURNS + " (a rank holding no MTP layer has no layer to report; a rank holding "
-        'one reports it: "This function reduces MTP metrics across ranks and returns a '
-        'dictionary of metrics.")',
+        (
+            *DOC_MTP_RETURNS,
+            Interpretation(
+                "a rank holding no MTP layer has no layer to report; a rank holding one reports it"
+            ),
+            DOC_MTP_REDUCES,
+        ),
         _mtp(),
         j.checked(j.mtp_keys),
     ),
@@ -347,7 +470,7 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp.loss_scale",
         MTP,
         "mtp_{i}_loss is the reduced loss scaled by loss_scale exactly once",
-        DOC_MTP_SCALE + " / " + DOC_LOSS_SCALE_TYPE,
+        (*DOC_MTP_SCALE, *DOC_LOSS_SCALE_TYPE),
         _mtp(scale_one=False),
         j.checked(j.mtp_loss_scale),
     ),
@@ -357,9 +480,16 @@ CATALOGUE: tuple[Property, ...] = (
         "100 * correct / max(total, 1), never scaled; a layer whose positions were all masked "
         "(0 tokens on every rank) reports 0, not NaN or 100, in every profile (vacuous with "
         "megatron-core 0.13-0.18: no counts)",
-        DOC_MTP_SCALE
-        + " Megatron's rate: 100 * correct / max(total, 1) (track_mtp_metrics). "
-        + DOC_MTP_EMPTY_LAYER,
+        (
+            *DOC_MTP_SCALE,
+            Interpretation("Megatron's rate: 100 * correct / max(total, 1) (track_mtp_metrics)"),
+            Source(
+                MTP_FILE,
+                READ_IN,
+                "step_rate = (mtp_corrects[i] / torch.clamp(mtp_totals[i], min=1)) * 100.0",
+            ),
+            *DOC_MTP_EMPTY_LAYER,
+        ),
         _mtp(scale_one=False, masked_mtp=True),
         j.checked(j.mtp_acceptance_rate),
     ),
@@ -380,7 +510,7 @@ CATALOGUE += (
         "over a sequence of training and forward-only steps, get_moe_metrics and "
         "get_mtp_metrics in either order, some steps calling one or none: no hang, and every "
         "call returns the oracle's values for what was recorded since the previous call",
-        DOC_PREINIT + " / " + DOC_MTP_RETURNS + "; " + MEGATRON_CLEARS,
+        (*DOC_PREINIT, *DOC_MTP_RETURNS, *MEGATRON_CLEARS),
         _with(s.interleaved_scenarios),
         j.checked(j.interleaved_values),
         also_calls=(MTP,),

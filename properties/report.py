@@ -264,7 +264,8 @@ def render_markdown(target: str, profile: str, results: list[PropertyResult]) ->
         xfail = " (xfail: expected)" if r.xfail else ""
         lines += ["", f"### `{r.id}` ({r.function}): {r.status}{xfail}", ""]
         if r.id in BY_ID:
-            lines += [f"Requires: {BY_ID[r.id].cites}", ""]
+            requires = BY_ID[r.id].cites.replace("_", "\\_")  # Markdown keeps moe/{name}_layer_{i}
+            lines += [f"Requires: {requires}", ""]
         if r.message:
             lines += [_fence(r.message, "text"), ""]
         if r.picture:

@@ -46,31 +46,6 @@ FIND = settings(max_examples=2000, deadline=None, suppress_health_check=list(Hea
 
 LBL = "load_balancing_loss"
 SEQ = "seq_load_balancing_loss"
-STABLE_IDS = {
-    "round_up.least_multiple",
-    "broadcast.roundtrip",
-    "broadcast.receiver_buffer",
-    "broadcast.errors_everywhere",
-    "track_names.router_parity",
-    "moe.no_hang",
-    "moe.values",
-    "moe.rank_agreement",
-    "moe.names",
-    "moe.per_layer",
-    "moe.loss_scale",
-    "moe.total_loss_dict",
-    "moe.reset",
-    "mtp.no_hang",
-    "mtp.keys",
-    "mtp.loss_scale",
-    "mtp.acceptance_rate",
-    "mtp.reset",
-}
-
-
-def test_stable_ids_are_all_present() -> None:
-    assert set(PROPERTY_IDS) >= STABLE_IDS
-    assert len(PROPERTY_IDS) == len(set(PROPERTY_IDS))
 
 
 @pytest.mark.parametrize("prop", CATALOGUE, ids=[p.id for p in CATALOGUE])
