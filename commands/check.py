@@ -2,9 +2,11 @@
 
 `add_check_arguments` declares the options, `run_check` runs them and returns the exit code:
 0 every property of every provided function passes, 1 any fails (or errors), 2 usage or load
-errors. Progress goes to stderr, one line per property; the table, the failure write-ups (with
-the shrunk counterexample, its layout picture, what each rank did and the ``pipemetrics replay``
-command) and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
+errors (a target whose files already say it cannot load, or provides none of the API, is told
+before any worker starts: `pipemetrics.sim.model.target.precheck_target`). Progress goes to
+stderr, one line per property; the table, the failure write-ups (with the shrunk
+counterexample, its layout picture, what each rank did and the ``pipemetrics replay`` command)
+and the coverage summary go to stdout; ``--json``, ``--junit`` and ``--markdown`` write
 the same report to files. ``-n WORKERS`` (default ``auto``, `pipemetrics.commands.workers`)
 runs the properties in worker processes, each running this same command with its own world
 pool, started with every option of this run (`pipemetrics.commands.argv.child_command`), loading
@@ -72,7 +74,7 @@ from pipemetrics.properties.selection import Selection, SelectionError, select
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
-from pipemetrics.sim.model.target import TargetLoadError, resolve_target
+from pipemetrics.sim.model.target import TargetLoadError, precheck_target, resolve_target
 from pipemetrics.sim.worlds.pool import WorldPool
 from pipemetrics.sim.worlds.probe import probe_target, require_api
 
@@ -378,6 +380,12 @@ def _announce(
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if not args.worker_json:  # before any worker, fork server or world, and before torch
+        try:
+            precheck_target(args.impl)
+        except TargetLoadError as exc:
+            _err(f"pipemetrics check: {exc}")
+            return EXIT_USAGE
     try:
         effort = get_effort(args.hypothesis_profile)
         if args.shrink_seconds is not None:

@@ -17,7 +17,7 @@ from pipemetrics.properties.verdict import judge_run, judgement_text
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario, Step
-from pipemetrics.sim.model.target import TargetLoadError
+from pipemetrics.sim.model.target import TargetLoadError, precheck_target
 from pipemetrics.sim.results.summary import summarize
 from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target, require_api
 from pipemetrics.sim.worlds.world import World
@@ -71,6 +71,7 @@ def demo_main(impl: str | None = None, load_timeout_s: float = DEFAULT_LOAD_TIME
     function."""
     if impl is not None:
         try:
+            precheck_target(impl)
             require_api(impl, probe_target(impl, load_timeout_s))
         except TargetLoadError as exc:
             print(f"pipemetrics demo: {exc}", file=sys.stderr)

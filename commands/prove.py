@@ -20,6 +20,7 @@ from pipemetrics.prove.prover import (
 from pipemetrics.sim.model.target import (
     API_FUNCTIONS,
     TargetLoadError,
+    precheck_target,
     resolve_builtin,
     resolve_target,
 )
@@ -44,6 +45,7 @@ def prove_main(args: argparse.Namespace) -> int:
         if args.merge:
             certificate = merge([_load(path) for path in args.merge])
         else:
+            precheck_target(args.impl)  # before the fork server, the probe and any world
             bound = bound_from_args(args)
             shard = _shard(args.shard)
             unsupported = inprocess_unsupported() if args.tier == "inprocess" else None

@@ -18,7 +18,7 @@ from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
-from pipemetrics.sim.model.target import TargetLoadError, locate_target
+from pipemetrics.sim.model.target import TargetLoadError, TargetNotFound, precheck_target
 from pipemetrics.sim.results.summary import summarize
 from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.worlds.world import World, WorldStartError
@@ -67,6 +67,7 @@ def replay_main(
         return 2
     if impl is not None:
         try:
+            precheck_target(impl)
             probe_target(impl, load_timeout_s)
         except TargetLoadError as exc:
             print(f"pipemetrics replay: {exc}", file=sys.stderr)
@@ -74,12 +75,12 @@ def replay_main(
         scenario = scenario.model_copy(update={"target": impl})
     else:
         try:
-            locate_target(scenario.target)
+            precheck_target(scenario.target)
         except TargetLoadError as exc:
+            what = "is not there" if isinstance(exc, TargetNotFound) else "cannot be loaded"
             print(
-                f"pipemetrics replay: {path}: the scenario's target {scenario.target!r} is not "
-                f"there ({exc}); point --impl at it: pipemetrics replay {path} --impl "
-                "PATH_OR_MODULE",
+                f"pipemetrics replay: {path}: the scenario's target {scenario.target!r} {what} "
+                f"({exc}); point --impl at it: pipemetrics replay {path} --impl PATH_OR_MODULE",
                 file=sys.stderr,
             )
             return 2

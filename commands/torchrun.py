@@ -23,6 +23,7 @@ import torch.distributed as dist
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.protocol import Done, RunMode, Task
 from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
+from pipemetrics.sim.model.target import TargetLoadError, precheck_target
 from pipemetrics.sim.results.summary import summarize
 from pipemetrics.sim.worlds.rank import RankServer, join_world
 from pipemetrics.sim.worlds.world import RankResult, WorldRun
@@ -68,6 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.impl:
         scenario = scenario.model_copy(update={"target": args.impl})
+    try:
+        precheck_target(scenario.target)  # before the process group: every rank says it
+    except TargetLoadError as exc:
+        print(f"pipemetrics: {exc}", file=sys.stderr)
+        return 2
     spec = scenario.setup.world
     dist.init_process_group(spec.backend)
     if dist.get_world_size() != spec.world_size:

@@ -169,12 +169,19 @@ def pipemetrics_provided(
     request: pytest.FixtureRequest, pipemetrics_options: Any, pipemetrics_forkserver: None
 ) -> set[str]:
     """The seed API functions the target defines, found by importing it in a child process
-    under a deadline (a target that does not load, or defines none of them, fails every test)."""
+    under a deadline (a target that does not load, or defines none of them, fails every test);
+    a target whose files already say so (`precheck_target`) fails them before that process
+    and any world start."""
+    from pipemetrics.sim.model.target import TargetLoadError, precheck_target
     from pipemetrics.sim.worlds.probe import probe_target, require_api
 
+    try:
+        precheck_target(request.config.getoption("--pipemetrics-impl"), option="--pipemetrics-impl")
+    except TargetLoadError as exc:  # said as the command says it, without our traceback
+        pytest.fail(f"pipemetrics: {exc}", pytrace=False)
     timeout = request.config.getoption("--pipemetrics-load-timeout")
     target = pipemetrics_options.target
-    return set(require_api(target, probe_target(target, timeout)))
+    return set(require_api(target, probe_target(target, timeout), option="--pipemetrics-impl"))
 
 
 @pytest.fixture(scope="session")

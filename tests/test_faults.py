@@ -467,6 +467,12 @@ def test_two_runners_at_once_do_not_collide(
     assert not list(shared_tmp.iterdir())
 
 
+DEFINES_ONE = "\n\ndef get_moe_metrics(*args, **kwargs):\n    return {}\n"
+"""Appended to a target that misbehaves when imported: one API function in its source, so that
+the import shows the misbehaviour (a source that defines none is told so before any import,
+`pipemetrics.sim.model.target.precheck_target`, tests/test_target_early.py)."""
+
+
 @pytest.mark.parametrize(
     "body, expected",
     [
@@ -478,7 +484,7 @@ def test_broken_target_is_a_clear_usage_error(
     tmp_path: Path, short_tmp: Path, bounds: Bounds, body: str, expected: str
 ) -> None:
     target = tmp_path / "target.py"
-    target.write_text(body)
+    target.write_text(body + DEFINES_ONE)
     result = subprocess.run(
         [*CLI, "check", "--impl", str(target), "--max-examples", "2"],
         capture_output=True,
@@ -512,7 +518,7 @@ def test_a_target_misbehaving_at_import_is_a_usage_error_within_the_deadline(
 ) -> None:
     body, expected = IMPORT_FAULTS[fault]
     target = tmp_path / f"{fault}.py"
-    target.write_text(body)
+    target.write_text(body + DEFINES_ONE)
     # a hang past the 5 s deadline would run into this bound (the hanging target never returns)
     result = run_bounded(
         [*CLI, "check", "--impl", str(target), "--load-timeout", "5"],
@@ -529,7 +535,7 @@ def test_replay_and_demo_with_an_unloadable_target(
     tmp_path: Path, short_tmp: Path, bounds: Bounds, command: str
 ) -> None:
     target = tmp_path / "exits.py"
-    target.write_text("import os\nos._exit(3)\n")
+    target.write_text("import os\nos._exit(3)\n" + DEFINES_ONE)
     scenario = save_scenario(scenario_for("pipemetrics.reference"), tmp_path / "s.json")
     args = [str(scenario)] if command == "replay" else []
     result = run_bounded(

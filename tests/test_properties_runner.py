@@ -184,7 +184,9 @@ def test_bare_py_file_outside_the_repo(tmp_path: Path, bounds: Bounds) -> None:
 
 def test_import_error_is_a_load_error(tmp_path: Path, bounds: Bounds) -> None:
     target = tmp_path / "broken_import.py"
-    target.write_text("import torch\nimport no_such_module_pipemetrics\n")
+    target.write_text(  # one API function: the import, not the source, must tell
+        "import torch\nimport no_such_module_pipemetrics\n\n\ndef get_mtp_metrics():\n    pass\n"
+    )
     code, data, output = check(tmp_path, "--impl", str(target), bounds=bounds)
     assert code == 2
     assert data is None

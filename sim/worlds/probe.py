@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pipemetrics.sim.collectives.interrupt import signal_name
-from pipemetrics.sim.model.target import API_FUNCTIONS, TargetLoadError
+from pipemetrics.sim.model.target import TargetLoadError, no_api_message
 
 DEFAULT_LOAD_TIMEOUT_S = 120.0
 """Default deadline for importing the target (``--load-timeout``): generous, since a trainer's
@@ -124,12 +124,10 @@ def _end(proc: Any) -> None:
     proc.join(REAP_WAIT_S)
 
 
-def require_api(target: str, provided: list[str]) -> list[str]:
+def require_api(target: str, provided: list[str], *, option: str = "--impl") -> list[str]:
     """``provided``, or a `TargetLoadError` when the target defines none of the API functions
-    (a mistyped ``--impl`` that lands on another module must not pass)."""
+    (a mistyped ``--impl`` that lands on another module must not pass; most such targets are
+    stopped sooner, from their source, by `pipemetrics.sim.model.target.precheck_target`)."""
     if not provided:
-        raise TargetLoadError(
-            f"no function of the API found in {target}: it defines none of "
-            f"{', '.join(API_FUNCTIONS)} (is it the module you meant to check?)"
-        )
+        raise TargetLoadError(no_api_message(target, option=option))
     return provided
