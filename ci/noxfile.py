@@ -13,9 +13,11 @@ snapshot's version against pipemetrics' declared range). The session skips, sayi
 looked, when no archive is there.
 
 ``.ci/run`` does not run this (it tests the pinned default, ``ci/constraints.txt``); the GitHub
-workflow runs it on a schedule. torch stays at the pinned default in every session, so the only
-thing that varies is megatron-core. pipemetrics is installed non-editable from a copy of the
-checkout, so the session never rewrites the checkout's ``build/`` link tree that ``.venv`` uses.
+workflow runs it on a schedule. torch stays at the pinned default in these sessions, so the only
+thing that varies is megatron-core; the environment sessions at the end (`nemo_rl`,
+`lower_bounds`, `newest`) vary Python, torch and the rest instead. pipemetrics is installed
+non-editable from a copy of the checkout, so the session never rewrites the checkout's
+``build/`` link tree that ``.venv`` uses.
 """
 
 from __future__ import annotations
@@ -144,3 +146,115 @@ def git(session: nox.Session, branch: str) -> None:
     _install(session, CONSTRAINTS)
     session.install("--no-deps", str(archives[0]))
     _run_suite(session)
+
+
+# Adopters' environments (issue 50): pipemetrics installed as an adopter installs it (no extras)
+# into an interpreter and dependency set other than the pinned default's, then the reference's
+# own tests and a reduced `pipemetrics check` of the reference, which must end CONFORMANT (exit
+# 0). Each session pins exactly what its table names and lets pip pick the newest of the rest.
+# Weekly (the workflow's `environments` job), not in `.ci/run`; docs/releases.md has each one's
+# last result.
+#
+#     .venv/bin/nox -f ci/noxfile.py -s nemo_rl "lower_bounds(megatron='0.13.1')" newest
+
+#: What each environment session runs: the reference's tests (pytest arguments replace them).
+ENVIRONMENT_TESTS = [
+    "tests/test_reference_unit.py",
+    "tests/test_reference_distributed.py",
+    "tests/test_version_guard.py",
+]
+#: `pipemetrics check` at reduced examples, derandomised (one seed, no example database).
+ENVIRONMENT_CHECK = ["--max-examples", "20", "--seed", "0"]
+#: NeMo-RL's pins at its HEAD (the home of the API the reference implements): Python
+#: ``>=3.13.14,<3.14`` and ``torch==2.11.0``; megatron-core 0.19.2 is the release NeMo-RL's
+#: pinned torch pairs with.
+NEMO_RL_PYTHON = "3.13"
+NEMO_RL = {"torch": "2.11.0", "megatron-core": "0.19.2"}
+#: The lower bounds pyproject.toml declares, on the lowest Python it declares (requires-python),
+#: each tested by `lower_bounds` (tests/test_environments.py holds the two equal). torch: 0.15
+#: and later require ``torch>=2.6.0``, and 2.6 and 2.7 have no ``ReduceOp.AVG`` for gloo, which
+#: every world here runs on and both megatron-core's reduction and the reference's use (2.6.0:
+#: 13 of the reference's distributed tests end in a deadlock verdict); 2.8.0 has it.
+LOWER_BOUNDS_PYTHON = "3.12"
+LOWER_BOUNDS = {"torch": "2.8.0", "hypothesis": "6.100.0", "pydantic": "2.6.0"}
+#: The lower bounds under the oldest and the newest supported megatron-core.
+LOWER_BOUNDS_MEGATRON = [MEGATRON_CORE[0], MEGATRON_CORE[-1]]
+#: `newest`: the newest release of every dependency pip offers inside pyproject.toml's ranges, on
+#: the newest Python here, without constraints; PIP_CONSTRAINT is pointed at an empty file so
+#: that a machine-wide cap (this machine's /etc/xdg/pip caps torch) does not apply.
+NEWEST_PYTHON = "3.13"
+
+
+def _interpreter(minor: str) -> str:
+    """Python ``minor`` for nox: pyenv's newest ``minor.*`` when pyenv holds one (nox does not
+    find a pyenv version that is not active: this machine keeps 3.13.0 there), else ``minor``
+    (found on PATH, as on GitHub's runners)."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
+    found = [
+        p for p in root.glob(f"{minor}.*/bin/python{minor}") if p.parts[-3].split(".")[2].isdigit()
+    ]
+    found.sort(key=lambda p: int(p.parts[-3].split(".")[2]))
+    return str(found[-1]) if found else minor
+
+
+def _install_pins(session: nox.Session, pins: dict[str, str] | None) -> None:
+    """pipemetrics (no extras) from a copy of the checkout, constrained to exactly ``pins``
+    (``None``: nothing, the machine's own pip constraints lifted too)."""
+    source = Path(session.create_tmp()) / "src"
+    shutil.rmtree(source, ignore_errors=True)
+    shutil.copytree(ROOT, source, ignore=_COPY_IGNORE)
+    if pins is None:
+        session.install(str(source), env={"PIP_CONSTRAINT": os.devnull})
+        return
+    constraints = Path(session.create_tmp()) / "constraints.txt"
+    constraints.write_text("".join(f"{n}=={v}\n" for n, v in pins.items()), encoding="utf-8")
+    session.install("-c", str(constraints), str(source))
+
+
+def _run_environment(session: nox.Session) -> None:
+    """The reference's tests (one process, no xdist workers), then the reduced check (in the
+    session's tmp dir, where a failure's scenarios are written)."""
+    work = Path(session.create_tmp()).resolve() / "check"
+    env = _env(session)  # before the first chdir: its tmp paths are relative
+    session.run(
+        "python", "-c",
+        "import sys; from importlib.metadata import version as v; print('python', "
+        "sys.version.split()[0], *(f'{n} {v(n)}' for n in ('torch', 'megatron-core', "
+        "'hypothesis', 'pydantic', 'numpy', 'pytest')))",
+        env=env,
+    )  # fmt: skip
+    session.chdir(ROOT)
+    session.run(
+        "python", "-m", "pytest", "-p", "no:xdist", "-q",
+        *(session.posargs or ENVIRONMENT_TESTS),
+        env=env,
+    )  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    session.chdir(work)
+    session.run(
+        "pipemetrics", "check", *ENVIRONMENT_CHECK, "--report-dir", str(work / "report"),
+        env=env,
+    )  # fmt: skip
+
+
+@nox.session(python=_interpreter(NEMO_RL_PYTHON), default=False)
+def nemo_rl(session: nox.Session) -> None:
+    """NeMo-RL's pins (`NEMO_RL`)."""
+    _install_pins(session, NEMO_RL)
+    _run_environment(session)
+
+
+@nox.session(python=_interpreter(LOWER_BOUNDS_PYTHON), default=False)
+@nox.parametrize("megatron", LOWER_BOUNDS_MEGATRON)
+def lower_bounds(session: nox.Session, megatron: str) -> None:
+    """pyproject.toml's lower bounds (`LOWER_BOUNDS`) under ``megatron``."""
+    _install_pins(session, {**LOWER_BOUNDS, "megatron-core": megatron})
+    _run_environment(session)
+
+
+@nox.session(python=_interpreter(NEWEST_PYTHON), default=False)
+def newest(session: nox.Session) -> None:
+    """The newest release of every dependency, no constraints."""
+    _install_pins(session, None)
+    _run_environment(session)
