@@ -51,6 +51,11 @@ def _file_of(classname: str) -> str:
     return classname
 
 
+def _cell(text: str) -> str:
+    """``text`` inside one table cell (a parametrised ID may hold a newline or a bar)."""
+    return text.replace("\n", "\\n").replace("|", "\\|")
+
+
 def table(reports: list[Path], wall_s: float | None, note: str) -> str:
     cases = _cases(reports)
     per_file: dict[str, list[float]] = defaultdict(list)
@@ -90,7 +95,7 @@ def table(reports: list[Path], wall_s: float | None, note: str) -> str:
         "",
         "| test | seconds |",
         "| --- | --- |",
-        *(f"| `{file}::{name}` | {seconds:.1f} |" for file, name, seconds, _ in slow),
+        *(f"| `{file}::{_cell(name)}` | {seconds:.1f} |" for file, name, seconds, _ in slow),
         "",
         f"The other {len(rest)} tests took {sum(c[2] for c in rest):.0f} s together.",
         "",
