@@ -2,10 +2,9 @@
 
 `measure_check_ceiling` runs check's loop in this process, as one check worker runs it: the
 catalogue's properties of the seed profile (or the plan's few) on the reference, at the ci
-Hypothesis profile, on the in-process tier, the properties that draw alike drawn in one pass
-(`pipemetrics.properties.ahead.drawn_together`), each pass judged by its guests as well
-(`pipemetrics.properties.guests`), and each scenario run once however many properties judge it
-(`pipemetrics.properties.shared.SharedRuns`), and keeps every world run it makes. Then it runs
+Hypothesis profile, on the in-process tier, one pass per generator
+(`pipemetrics.properties.passes`: each scenario drawn once, run once and judged by every
+property of the pass), and keeps every world run it makes. Then it runs
 exactly those scenarios again in a fresh pool with `RunMode.ALONE`: every rank's own work
 (Megatron's recording, the target's calls, the snapshots) while collectives move no data and
 nothing is scheduled, matched or judged, the ceiling of any in-process tier. The ceiling's
@@ -26,14 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from pipemetrics.properties.ahead import drawn_together
-from pipemetrics.properties.catalogue import CATALOGUE
+from pipemetrics.properties.catalogue import CATALOGUE, passes
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import get_effort
-from pipemetrics.properties.engine import run_together
-from pipemetrics.properties.guests import guests_of
+from pipemetrics.properties.passes import run_pass
 from pipemetrics.properties.run_options import RunOptions
-from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario
@@ -117,16 +113,14 @@ def measure_check_ceiling(
         WorldPool(max_ranks=effort.max_ranks, tier="inprocess") as pool,
     ):
         recording = _Recording(pool, note)
-        runs = SharedRuns(recording)
         options = RunOptions(
             target=DEFAULT_TARGET, profile=PROFILE, effort=effort, max_examples=max_examples,
             database="none", report_dir=Path(report_dir), tier="inprocess", draws_seed=SEED,
         )  # fmt: skip
         began = time.perf_counter()
-        for together in drawn_together(chosen, options):
-            guests = guests_of(together, chosen, options)
-            for result in run_together(together, runs, options, Coverage(), guests=guests):
-                judged += result.examples + result.also_judged
+        for held in passes(chosen):
+            for result in run_pass(held, recording, options, Coverage()):
+                judged += result.examples
                 if result.status != "pass":
                     failed.append(f"{result.id}: {result.status}")
         check_s = time.perf_counter() - began

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,8 +45,7 @@ from pipemetrics.commands.options import (
 from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.commands.worker_queue import Group, dispatch, groups_of, read_groups, say_done
 from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
-from pipemetrics.properties.ahead import drawn_together
-from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.catalogue import Property, passes
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import DEFAULT_DATABASE
 from pipemetrics.properties.effort import (
@@ -55,8 +54,8 @@ from pipemetrics.properties.effort import (
     GENERATOR_CLASSES,
     get_effort,
 )
-from pipemetrics.properties.engine import PropertyResult, run_together
-from pipemetrics.properties.guests import guests_of, merged
+from pipemetrics.properties.engine import PropertyResult
+from pipemetrics.properties.passes import combined, run_pass
 from pipemetrics.properties.referee import Referee
 from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (
@@ -166,9 +165,8 @@ def _err(text: str) -> None:
 def _outcome_line(place: str, result: PropertyResult) -> str:
     extra = f" ({result.message.splitlines()[0][:160]})" if result.message else ""
     label = f"{result.status} (xfail)" if result.xfail else result.status
-    if result.drawn_by is not None:  # a guest's side of the pass
-        judged = result.also_judged or result.examples
-        return f"[{place}]   as its guest, {result.id}: {label}, {judged} judged{extra}"
+    if result.drawn_by is not None:  # judged on another property's pass
+        return f"[{place}]   and {result.id}: {label}, {result.examples} judged{extra}"
     return (
         f"[{place}] {result.id}: {label}, {result.examples} examples, {result.seconds:.1f} s{extra}"
     )
@@ -183,47 +181,42 @@ Numbered = list[tuple[str, Property]]
 
 
 def _run_here(
-    batches: Iterable[Numbered],
-    options: RunOptions,
-    coverage: Coverage,
-    chosen: Sequence[Property],
+    batches: Iterable[Numbered], options: RunOptions, coverage: Coverage, chosen: list[Property]
 ) -> list[PropertyResult]:
-    """Run ``batches`` in this process, each scenario run once however many properties draw it
-    (`pipemetrics.properties.shared`) and judged also by the properties of ``chosen`` that are
-    its pass's guests (`pipemetrics.properties.guests`: their results come after the pass's,
-    to be merged); on the in-process tier, the referee judges a sample of its scenarios on the
-    process tier afterwards (`pipemetrics.properties.referee`)."""
+    """Run the passes of ``batches`` in this process (`pipemetrics.properties.passes`: each
+    scenario of a generator run once and judged by every property of ``chosen`` its pass holds);
+    each judge's result on each pass, to be `combined`. On the in-process tier, the referee
+    judges a sample of the scenarios on the process tier afterwards
+    (`pipemetrics.properties.referee`)."""
     results = []
     max_ranks = options.effort.max_ranks
     referee = Referee() if options.tier == "inprocess" else None
     if referee is not None:
         options = replace(options, observe=referee.offer)
+    by_generator = {held.generator: held for held in passes(chosen)}
     with (
         WorldPool(max_ranks=max_ranks, tier=options.tier) as pool,
         WorldPool(max_ranks=max_ranks) as confirm_pool,  # starts worlds only to confirm
     ):
-        runs = SharedRuns(pool)
-        settled: set[str] = set()  # did not pass here: a guest failure would not be reported
+        runs = 0
         for batch in batches:
             places = {prop.id: place for place, prop in batch}
             progress = functools.partial(_progress_of, places)
-            for together in drawn_together([prop for _, prop in batch], options):
-                first, *others = together
-                guests = [p for p in guests_of(together, chosen, options) if p.id not in settled]
-                alike = f" (drawn once with {', '.join(p.id for p in others)})" if others else ""
-                also = f" (also judged by {', '.join(p.id for p in guests)})" if guests else ""
-                _err(f"[{places[first.id]}] {first.id} ...{alike}{also}")
-                for result in run_together(
-                    together, runs, options, coverage, confirm_pool, progress, guests
-                ):
-                    results.append(result)
-                    _err(_outcome_line(places[result.drawn_by or result.id], result))
-                    if result.status != "pass":
-                        settled.add(result.id)
-        _err(
-            f"{runs.runs} world runs; {runs.shared} scenarios judged on a run already made "
-            "(judged by another property of the same generator, or drawn again)"
-        )
+            held = by_generator.get(batch[0][1].scenarios) if batch else None
+            if held is None:
+                continue
+            first, *others = held.own
+            alike = f" (with {', '.join(p.id for p in others)})" if others else ""
+            also = held.judges[len(held.own) :]
+            guests = f" (and {', '.join(p.id for p in also)})" if also else ""
+            _err(f"[{places[first.id]}] {first.id} ...{alike}{guests}")
+            shared = SharedRuns(pool)
+            for result in run_pass(held, shared, options, coverage, confirm_pool, progress):
+                results.append(result)
+                host = first.id if result.drawn_by is not None else result.id
+                _err(_outcome_line(places.get(host, places[first.id]), result))
+            runs += shared.runs
+        _err(f"{runs} world runs")
         if referee is not None:
             pool.close()  # its host processes are done; the process tier gets the cores
             _referee(referee, confirm_pool, options.report_dir, results)
@@ -251,8 +244,9 @@ def _referee(
 
 
 def _progress_of(places: dict[str, str], prop: Property) -> Callable[[str], None]:
-    """The progress of ``prop``, at its place in the run."""
-    head = f"[{places[prop.id]}] {prop.id}"
+    """The progress of ``prop``, at its place in the run (its pass's, where it is judged on
+    another property's pass)."""
+    head = f"[{places.get(prop.id, next(iter(places.values())))}] {prop.id}"
     return lambda text: _err(f"{head}: {text}")
 
 
@@ -302,17 +296,16 @@ def _run_workers(
             for proc in procs:
                 stop_child(proc)
         by_id = {p.id: p for p in todo}
-        results: dict[str, PropertyResult] = {}
-        guests: list[PropertyResult] = []  # `merged` folds them in
+        results: list[PropertyResult] = []  # each judge's on each pass: `combined` folds them
         for proc, out, held in zip(procs, outs, given, strict=True):
             share = [by_id[i] for group in held for i in group.ids]
             found = _worker_results(proc.returncode, out, share, coverage)
             if isinstance(found, str):
                 return found
-            results.update((result.id, result) for result in found if result.drawn_by is None)
-            guests += [result for result in found if result.drawn_by is not None]
+            results += found
     missing = "pipemetrics fault: no worker was left to run it"
-    return [results.get(p.id) or _not_run(p, "error", missing) for p in todo] + guests
+    ran = {result.id for result in results}
+    return results + [_not_run(p, "error", missing) for p in todo if p.id not in ran]
 
 
 def _worker_results(
@@ -334,14 +327,19 @@ def _queued(todo: list[Property], absent: dict[str, PropertyResult]) -> Iterator
     """A worker's batches: the groups its parent hands it on stdin, each said done on stdout
     once judged; the absent properties of a group are not run (``absent`` holds their
     results)."""
-    by_id = {p.id: p for p in todo}
     for group in read_groups(sys.stdin):
-        yield [
-            (f"{group.first + k}/{group.total}", by_id[i])
-            for k, i in enumerate(group.ids)
-            if i not in absent
-        ]
+        yield _numbered(group, todo, absent)
         say_done(sys.stdout)
+
+
+def _numbered(group: Group, todo: list[Property], absent: dict[str, PropertyResult]) -> Numbered:
+    """The group's properties at their places in the run, the absent left out."""
+    by_id = {p.id: p for p in todo}
+    return [
+        (f"{group.first + k}/{group.total}", by_id[i])
+        for k, i in enumerate(group.ids)
+        if i not in absent and i in by_id
+    ]
 
 
 def installed_version(package: str) -> str:
@@ -424,7 +422,7 @@ def run_check(args: argparse.Namespace) -> int:
             todo.append(prop)
     coverage = Coverage(effort.classes)
     began = time.monotonic()
-    groups = groups_of(todo)
+    groups = groups_of(passes(todo))
     workers, why = worker_count(
         args.workers, tier=args.tier, effort=effort, groups=len(groups), cores=usable_cores()
     )
@@ -461,22 +459,19 @@ def run_check(args: argparse.Namespace) -> int:
         batches = (
             _queued(todo, absent)
             if args.worker_queue
-            else [[(f"{i}/{len(todo)}", prop) for i, prop in enumerate(todo, start=1)]]
+            else [_numbered(group, todo, absent) for group in groups_of(passes(todo))]
         )
         ran = _run_here(batches, options, coverage, todo)
-    guests: list[PropertyResult] = []
-    if args.worker_json:  # the parent merges them with every other worker's
-        guests = [result for result in ran if result.drawn_by is not None]
-        ran = [result for result in ran if result.drawn_by is None]
-    else:
-        ran = merged(ran, [prop.id for prop in todo])
+    if args.worker_json:  # the parent combines them with every other worker's
+        return _finish(args, [*results.values(), *ran], coverage, time.monotonic() - began)
+    ran = combined(ran, passes(todo))
     for result in ran:
         result.xfail = result.id in selection.xfail and result.status == "fail"
         if result.id in selection.xfail and result.status == "pass":
             _err(f"warning: {result.id} is in the xfail list but passed")
         results[result.id] = result
     ordered = [results[p.id] for p in selection.properties if p.id in results]
-    return _finish(args, ordered + guests, coverage, time.monotonic() - began)
+    return _finish(args, ordered, coverage, time.monotonic() - began)
 
 
 def _finish(

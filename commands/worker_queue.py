@@ -1,7 +1,7 @@
 """The work queue between ``pipemetrics check`` and its ``-n`` workers.
 
-The properties to run are cut into groups, one per generator (the properties that share their
-world runs, `pipemetrics.properties.shared`), the largest first. The parent hands a group to
+The properties to run are cut into groups, one per generator's pass (its own properties; those
+declared for it are judged there too: `pipemetrics.properties.passes`), the largest first. The parent hands a group to
 whichever worker is free, so a worker that drew a slow group (a long shrink, the router family)
 is never left with a fixed share while another idles. A worker reads a group per line on its
 stdin (`Group.line`: the place of its first property in the run's numbering, the run's total
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from pipemetrics.properties.catalogue import Generator, Property
+from pipemetrics.properties.catalogue import Pass
 
 DONE = "pipemetrics-worker: done"
 
@@ -44,16 +44,14 @@ class Group:
         return cls(int(first), int(total), tuple(ids))
 
 
-def groups_of(todo: Sequence[Property]) -> list[Group]:
-    """``todo`` as groups, one per generator, the largest first (then in ``todo``'s order),
-    numbered in that order."""
-    by_generator: dict[Generator, list[str]] = {}
-    for prop in todo:
-        by_generator.setdefault(prop.scenarios, []).append(prop.id)
-    ordered = sorted(by_generator.values(), key=len, reverse=True)
+def groups_of(held: Sequence[Pass]) -> list[Group]:
+    """One group per pass (`pipemetrics.properties.catalogue.passes`), its own properties, the
+    largest first (then in the passes' order), numbered in that order."""
+    ordered = sorted((tuple(p.id for p in each.own) for each in held), key=len, reverse=True)
+    total = sum(len(ids) for ids in ordered)
     groups, first = [], 1
     for ids in ordered:
-        groups.append(Group(first, len(todo), tuple(ids)))
+        groups.append(Group(first, total, ids))
         first += len(ids)
     return groups
 

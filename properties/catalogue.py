@@ -41,8 +41,7 @@ In Markdown the document's key templates lost their underscores (``mtp_{i}loss``
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -63,9 +62,8 @@ STRICT_ONLY: frozenset[Semantic] = frozenset({"strict"})
 @dataclass(frozen=True)
 class Generator:
     """A property's scenarios: a strategy of `pipemetrics.properties.strategies` and its
-    arguments, as a value. Properties whose generators are equal draw the same scenarios from one
-    seed, so a run judges each of those scenarios by all of them after running it once
-    (`pipemetrics.properties.shared`)."""
+    arguments, as a value. The properties of one generator are judged in one pass of it
+    (`Pass`): each scenario drawn once, run once and judged by each."""
 
     strategy: Callable[..., st.SearchStrategy[Scenario]]
     options: tuple[tuple[str, object], ...] = ()
@@ -78,29 +76,11 @@ class Generator:
             kwargs["semantic"] = semantic
         return self.strategy(effort, **kwargs)
 
-    def covers(self, other: Generator) -> bool:
-        """Whether this generator draws every scenario ``other`` draws (under every effort and
-        profile): the same strategy, each option equal or one of
-        `pipemetrics.properties.strategies.WIDER_OPTIONS` whose value here draws what the value
-        there does. A property of this generator may then judge ``other``'s scenarios: each is
-        one its own test could have drawn (`pipemetrics.properties.guests`)."""
-        if self.strategy is not other.strategy or self.semantic != other.semantic:
-            return False
-        mine, theirs = self._resolved(), other._resolved()
-        return all(
-            mine[name] == value
-            or (name in s.WIDER_OPTIONS and s.WIDER_OPTIONS[name](mine[name], value))
-            for name, value in theirs.items()
-        )
-
-    def _resolved(self) -> dict[str, object]:
-        """Every keyword option of the strategy, with its default where not given."""
-        resolved = {
-            name: parameter.default
-            for name, parameter in inspect.signature(self.strategy).parameters.items()
-            if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-        }
-        return {**resolved, **dict(self.options)}
+    @property
+    def name(self) -> str:
+        """The generator as reports name it: ``moe_scenarios(per_layer=True)``."""
+        options = ", ".join(f"{name}={value!r}" for name, value in self.options)
+        return f"{self.strategy.__name__}({options})"
 
 
 @dataclass(frozen=True)
@@ -519,3 +499,70 @@ CATALOGUE += (
 
 BY_ID: dict[str, Property] = {prop.id: prop for prop in CATALOGUE}
 PROPERTY_IDS: tuple[str, ...] = tuple(BY_ID)
+
+
+ALSO_JUDGED_ON: dict[Generator, tuple[str, ...]] = {
+    # moe_scenarios() draws per_layer_logging either way and, with scale_one, the scales of
+    # scale_one=False and a scale of 1 besides: every scenario of these two is one of its own.
+    _moe(per_layer=True): ("moe.no_hang", "moe.values", "moe.rank_agreement", "moe.names"),
+    _moe(per_layer=True, scale_one=False): (
+        "moe.no_hang", "moe.values", "moe.rank_agreement", "moe.names", "moe.per_layer",
+    ),
+    # mtp_scenarios() draws the scales of scale_one=False and more; masked_mtp=True draws every
+    # record of masked_mtp=False and masked layers besides.
+    _mtp(scale_one=False): ("mtp.no_hang", "mtp.keys", "mtp.acceptance_rate"),
+}  # fmt: skip
+"""Properties judged on the scenarios of a generator besides their own: each of those scenarios
+is one their own generator draws too (the comments say why), so they are judged on more of
+their own kind and never on one their own test could not draw."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One generator's scenarios and the properties that judge each of them: those whose
+    generator it is first (a failure of theirs is shrunk on their own test), then those of
+    `ALSO_JUDGED_ON`."""
+
+    generator: Generator
+    judges: tuple[Property, ...]
+
+    def owns(self, prop: Property) -> bool:
+        """Whether ``prop``'s own generator is this pass's."""
+        return prop.scenarios == self.generator
+
+    @property
+    def own(self) -> tuple[Property, ...]:
+        return tuple(prop for prop in self.judges if self.owns(prop))
+
+
+def passes(chosen: Sequence[Property]) -> list[Pass]:
+    """The passes that judge ``chosen``: one per generator of theirs, in their order, each
+    judged by the properties of ``chosen`` whose generator it is, then by those of ``chosen``
+    declared for it in `ALSO_JUDGED_ON`."""
+    ids = {prop.id for prop in chosen}
+    out: dict[Generator, Pass] = {}
+    for prop in chosen:
+        if prop.scenarios not in out:
+            own = tuple(p for p in chosen if p.scenarios == prop.scenarios)
+            also = tuple(BY_ID[i] for i in ALSO_JUDGED_ON.get(prop.scenarios, ()) if i in ids)
+            out[prop.scenarios] = Pass(prop.scenarios, own + also)
+    return list(out.values())
+
+
+def judged_together(chosen: Sequence[Property]) -> dict[str, str]:
+    """Each property's group: the first property of the passes that share a judge with its own,
+    transitively (one pytest-xdist worker runs a group, each of its passes once)."""
+    group = {prop.id: prop.id for prop in chosen}
+
+    def root(pid: str) -> str:
+        while group[pid] != pid:
+            pid = group[pid]
+        return pid
+
+    for held in passes(chosen):
+        first = root(held.judges[0].id)
+        for prop in held.judges[1:]:
+            other = root(prop.id)
+            if other != first:
+                group[other] = first
+    return {prop.id: root(prop.id) for prop in chosen}

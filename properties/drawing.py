@@ -12,7 +12,7 @@ drawing (`pipemetrics.properties.ahead`) and the pass that shrinks a failure
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from pipemetrics.properties.catalogue import Property
+from pipemetrics.properties.catalogue import Generator, Property
 from pipemetrics.properties.combinations import combinations_for
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import hypothesis_settings
@@ -73,37 +73,63 @@ def run_judged(
     return scenario, run, prop.judge(scenario, run)
 
 
-def property_test(
-    prop: Property,
+def combination_examples(prop: Property, options: RunOptions, coverage: Coverage) -> list[Scenario]:
+    """The property's combinations of two conditions at their floor, stamped with its ID (so a
+    pass judges each by this property alone), ``coverage`` told each floor."""
+    effort = options.effort
+    built = []
+    for combination in combinations_for(prop.id, effort):
+        scenarios = combination.scenarios(effort, options.profile, prop.id)
+        coverage.expect(combination.name, len(scenarios))
+        built += [as_judged(scenario, prop, options) for scenario in scenarios]
+    return built
+
+
+def generator_test(
+    generator: Generator,
     example: Callable[[Scenario], None],
     options: RunOptions,
-    coverage: Coverage,
+    explicit: Sequence[Scenario],
     database: ExampleDatabase | None,
-    combinations: bool = True,
+    key: bytes,
 ) -> Callable[[], None]:
-    """``example`` as the property's Hypothesis test (``coverage`` told each combination's
-    floor; without ``combinations``, its generator's draws alone). Run it inside
-    `draws_independent_of_local_code`."""
+    """``example`` as a Hypothesis test of ``generator``'s scenarios: ``explicit`` first, then
+    those drawn under the run's settings and seed; ``database`` keeps its examples under ``key``.
+    Run it inside `draws_independent_of_local_code`."""
     effort = options.effort
-    test = given(prop.scenarios(effort, options.profile))(example)
-    for combination in reversed(combinations_for(prop.id, effort) if combinations else ()):
-        built = combination.scenarios(effort, options.profile, prop.id)
-        coverage.expect(combination.name, len(built))
-        for scenario in reversed(built):
-            test = explicit_example(scenario)(test)
+    test = given(generator(effort, options.profile))(example)
+    for scenario in reversed(explicit):
+        test = explicit_example(scenario)(test)
     # The seed first: Hypothesis's seed() records settings without a database, which settings
     # applied after it replace (applied before it, no run would save or replay a failure).
     test = hypothesis_seed(options.seed if options.seed is not None else options.draws_seed)(test)
     seeded: Callable[[], None] = hypothesis_settings(
         effort, effort.examples_for(options.max_examples), database=database
     )(test)
-    # Where the database keeps this property's examples: the same for every pass and target
-    # (Hypothesis would key them by the test function, which differs between the pass judged
-    # ahead and the real test).
-    seeded._hypothesis_internal_database_key = database_keys(  # type: ignore[attr-defined]
-        prop, options
-    )[0]
+    # Where the database keeps the examples: the same whatever the test function (Hypothesis
+    # would key them by it).
+    seeded._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
     return seeded
+
+
+def property_test(
+    prop: Property,
+    example: Callable[[Scenario], None],
+    options: RunOptions,
+    coverage: Coverage,
+    generator: Generator | None = None,
+) -> Callable[[], None]:
+    """``example`` as the property's own Hypothesis test: its combinations first, then its
+    generator's draws, its examples kept in the run's database. With another ``generator``
+    (one whose pass judged the property besides its own): that generator's draws alone, no
+    combinations and no database."""
+    if generator is None or generator == prop.scenarios:
+        explicit = combination_examples(prop, options, coverage)
+        database = run_database(options)
+        return generator_test(
+            prop.scenarios, example, options, explicit, database, database_keys(prop, options)[0]
+        )
+    return generator_test(generator, example, options, (), None, b"")
 
 
 def database_keys(prop: Property, options: RunOptions) -> tuple[bytes, ...]:

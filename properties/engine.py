@@ -1,37 +1,32 @@
-"""Running properties with Hypothesis in a shared `WorldPool`, and collecting their results.
+"""A property's real test: its failure found, shrunk, confirmed and kept; its result.
 
-A property is first judged ahead (`pipemetrics.properties.ahead`: each drawn scenario run and
-judged on a thread while the next is drawn, together with the properties that draw alike:
-`run_together`); when every example passes, that is its run. When one does not, the property's
-real test runs here: the same ``@given`` test
-(`pipemetrics.properties.drawing.property_test`), each example run in a pooled live world
-(worlds live across examples and properties) and judged; it draws the same scenarios up to the
-failure, on the runs already made, and Hypothesis shrinks the failure. The last failing
-example it runs is the minimal one, so its scenario, the problems, what each rank did and its
-layout picture (`pipemetrics.sim.results.picture`) are kept. A failing scenario is written with
-`save_scenario` for ``pipemetrics replay``.
+`real_test` runs the property's Hypothesis test (`pipemetrics.properties.drawing.
+property_test`) where its pass (`pipemetrics.properties.passes`) found a scenario it did not
+pass: each example run in a pooled live world and judged, Hypothesis shrinking the failure.
+The last failing example it runs is the minimal one, so its scenario, the problems, what each
+rank did and its layout picture (`pipemetrics.sim.results.picture`) are kept; a failure found
+on the in-process tier is confirmed on the process tier (`confirm_failure`), and its scenario
+written with `save_scenario` for ``pipemetrics replay``.
 """
 
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from hypothesis.errors import Flaky
 from hypothesis.reporting import with_reporter
 
-from pipemetrics.properties.ahead import judge_together
-from pipemetrics.properties.catalogue import BY_ID, Property
+from pipemetrics.properties.catalogue import BY_ID, Generator, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
     draws_independent_of_local_code,
     property_test,
-    run_database,
     run_judged,
 )
 from pipemetrics.properties.run_options import RunOptions
@@ -71,14 +66,11 @@ class PropertyResult:
     """A failure: True once it reproduced on the process tier (where a failure found by the
     in-process tier is run again before it is reported; one found on the process tier is
     there already). None for anything but a failure."""
-    also_judged: int = 0
-    """A property that passed: the scenarios of other properties' generators it judged besides
-    its own examples, each one its own generator draws too (`pipemetrics.properties.guests`);
-    0 for any other result."""
     drawn_by: str | None = None
-    """A failure found on another property's scenarios: that property, whose generator drew it
-    (``found_at`` counts that generator's examples, and the counterexample was shrunk under
-    it). None where its own generator drew it."""
+    """A failure found on another property's scenarios (`pipemetrics.properties.catalogue.
+    ALSO_JUDGED_ON`): that property, whose generator drew it (``found_at`` counts that
+    generator's examples, and the counterexample was shrunk under it). None where its own
+    generator drew it."""
 
     def counterexample_json(self) -> dict[str, Any] | None:
         """The counterexample scenario, plus its picture under ``"picture"`` when there is one."""
@@ -98,7 +90,6 @@ class PropertyResult:
             "replay": self.replay,
             "message": self.message,
             "confirmed": self.confirmed,
-            "also_judged": self.also_judged,
             "drawn_by": self.drawn_by,
             "cites": _cites(self.id),
         }
@@ -185,107 +176,27 @@ def _write_replay(
     return replay_command(path, failure.scenario.target)
 
 
-def run_property(
+def real_test(
     prop: Property,
     pool: Runner,
     options: RunOptions,
     coverage: Coverage,
     confirm_pool: Runner | None = None,
+    generator: Generator | None = None,
+    host: Property | None = None,
 ) -> PropertyResult:
-    """Run one property to completion (pass, shrunk failure, or error).
-
-    ``pool``: where its scenarios run (a `pipemetrics.properties.shared.SharedRuns` lets the
-    properties of one generator share them). ``confirm_pool``: the process-tier pool in which a
-    failure found on another tier is run again before it is reported (`confirm_failure`)."""
-    (result,) = run_together((prop,), pool, options, coverage, confirm_pool)
-    return result
-
-
-def run_together(
-    props: Sequence[Property],
-    pool: Runner,
-    options: RunOptions,
-    coverage: Coverage,
-    confirm_pool: Runner | None = None,
-    progress_for: Callable[[Property], Callable[[str], None]] | None = None,
-    guests: Sequence[Property] = (),
-) -> list[PropertyResult]:
-    """Run ``props``, which draw alike (`pipemetrics.properties.ahead.drawn_alike`; one property
-    always does), to completion, in one pass judged ahead (`judge_together`: drawn once, each
-    scenario run once and judged by each, and by each of ``guests``); each that did not pass
-    every example is then run by its real test, with ``progress_for(prop)`` as its progress. A
-    property's ``seconds`` are its share of the pass (the pass's time over the properties in
-    it) and its real test's. After ``props``' results, one for each guest
-    (`pipemetrics.properties.guests.merged` folds it into the guest's own)."""
-    began = time.monotonic()
-    judged = judge_together(props, pool, options, guests)
-    share = (time.monotonic() - began) / len(props)
-    results = []
-    for prop in props:
-        done = judged.passed.get(prop.id)
-        if done is not None:
-            coverage.merge({"scenarios": done.coverage.scenarios, "counts": done.coverage.counts})
-            results.append(
-                PropertyResult(
-                    prop.id, prop.function, "pass", examples=done.examples, seconds=share
-                )
-            )
-            continue
-        told = options if progress_for is None else replace(options, progress=progress_for(prop))
-        result = _real_test(prop, pool, told, coverage, confirm_pool)
-        result.seconds += share
-        results.append(result)
-    host = props[0]
-    for guest in guests:
-        side = judged.guests[guest.id]
-        if not side.failed:
-            results.append(
-                PropertyResult(
-                    guest.id, guest.function, "pass", also_judged=side.judged, drawn_by=host.id
-                )
-            )
-            continue
-        say = None if progress_for is None else progress_for(host)  # the guest's may be elsewhere
-        told = replace(
-            options,
-            observe=None,  # the referee saw each scenario as its own generator drew it
-            progress=None if say is None else _as_guest(say, guest),
-        )
-        result = _real_test(guest, pool, told, Coverage(), confirm_pool, drawn_by=host)
-        if result.status == "pass":  # it did not fail again: what it judged, judged besides
-            result.also_judged, result.examples = result.examples, 0
-        result.drawn_by = host.id
-        results.append(result)
-    return results
-
-
-def _as_guest(say: Callable[[str], None], guest: Property) -> Callable[[str], None]:
-    """``say`` (the host's progress) for what ``guest`` does as its guest."""
-    return lambda text: say(f"as its guest, {guest.id}: {text}")
-
-
-def _real_test(
-    prop: Property,
-    pool: Runner,
-    options: RunOptions,
-    coverage: Coverage,
-    confirm_pool: Runner | None,
-    drawn_by: Property | None = None,
-) -> PropertyResult:
-    """The property's Hypothesis test, run here: its failure found, shrunk and confirmed.
-    ``drawn_by``: the test of ``prop``'s judge on that property's generator instead (its
-    scenarios as that one's test draws them: no combinations, no example database), where the
-    property failed as its guest (`pipemetrics.properties.guests`)."""
+    """The property's Hypothesis test, run here: its failure found, shrunk and confirmed. With
+    ``generator`` (another property's, ``host``'s, whose pass judged it too): its judge on that
+    generator's draws (`pipemetrics.properties.drawing.property_test`), the result saying so in
+    ``drawn_by``."""
     effort = options.effort
     began = time.monotonic()
     state = _State()
-    drawing = prop if drawn_by is None else replace(prop, scenarios=drawn_by.scenarios)
-    example = _example_runner(drawing, pool, options, coverage, state)
-    if drawn_by is None:
-        test = property_test(prop, example, options, coverage, run_database(options))
-    else:
-        test = property_test(drawing, example, options, coverage, None, combinations=False)
+    example = _example_runner(prop, pool, options, coverage, state)
+    test = property_test(prop, example, options, coverage, generator)
+    drawn_by = None if generator is None or host is None else host
     result = PropertyResult(prop.id, prop.function, "pass")
+    result.drawn_by = None if drawn_by is None else drawn_by.id
     flaky = False
     said: list[str] = []
     try:

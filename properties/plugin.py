@@ -101,15 +101,19 @@ def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
     return selection.skip, selection.xfail
 
 
+SELECTED = pytest.StashKey[set[str]]()
+"""The property IDs whose tests this pytest process collected and kept (after ``-k``)."""
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ours = [item for item in items if item.get_closest_marker("pipemetrics_property")]
+    config.stash[SELECTED] = {_property_id(item) for item in ours}
     if not ours:
         return
     skip, xfail = _lists(config)
     for item in ours:
-        marker = item.get_closest_marker("pipemetrics_property")
-        assert marker is not None
-        property_id = marker.args[0]
+        property_id = _property_id(item)
         if property_id in skip:
             item.add_marker(pytest.mark.skip(reason=f"{property_id} is in the skip list"))
         elif property_id in xfail:
@@ -118,10 +122,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             )
 
 
+def _property_id(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("pipemetrics_property")
+    assert marker is not None
+    return str(marker.args[0])
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pipemetrics_property(id): a pipemetrics conformance property test"
     )
+    if getattr(config.option, "dist", "no") == "load" and _runs_the_suite(config.args):
+        # Each test's result comes from the passes of generators its worker runs: the tests of
+        # passes that judge alike (their xdist_group) go to one worker, each pass run once.
+        config.option.dist = "loadgroup"
+
+
+def _runs_the_suite(args: list[str]) -> bool:
+    """Whether the run names the conformance suite (``--pyargs pipemetrics.properties``, its
+    module, or its file)."""
+    return any("pipemetrics.properties" in arg or "test_conformance" in arg for arg in args)
 
 
 @pytest.fixture(scope="session")
@@ -186,15 +206,13 @@ def pipemetrics_provided(
 
 @pytest.fixture(scope="session")
 def pipemetrics_pool(pipemetrics_options: Any, pipemetrics_forkserver: None) -> Iterator[Any]:
-    """One pool of live worlds per pytest process (per xdist worker), each scenario run once
-    however many of its tests draw it (`pipemetrics.properties.shared`)."""
-    from pipemetrics.properties.shared import SharedRuns
+    """One pool of live worlds per pytest process (per xdist worker)."""
     from pipemetrics.sim.worlds.pool import WorldPool
 
     with WorldPool(
         max_ranks=pipemetrics_options.effort.max_ranks, tier=pipemetrics_options.tier
     ) as pool:
-        yield SharedRuns(pool)
+        yield pool
 
 
 @pytest.fixture(scope="session")
@@ -214,3 +232,36 @@ def pipemetrics_coverage() -> Any:
     from pipemetrics.properties.coverage import Coverage
 
     return Coverage()
+
+
+@pytest.fixture(scope="session")
+def pipemetrics_passes(
+    request: pytest.FixtureRequest,
+    pipemetrics_options: Any,
+    pipemetrics_provided: set[str],
+    pipemetrics_pool: Any,
+    pipemetrics_coverage: Any,
+    pipemetrics_confirm_pool: Any,
+) -> Any:
+    """The generator passes of this pytest process, each run once, when a test first needs it:
+    judged by the properties whose tests were selected, of the profile, that the target
+    defines and the skip list does not hold, as ``check`` judges them."""
+    from pipemetrics.properties.catalogue import CATALOGUE
+    from pipemetrics.properties.passes import Passes
+
+    config = request.config
+    skip, _ = _lists(config)
+    selected = config.stash.get(SELECTED, set())
+    profile = pipemetrics_options.profile
+    chosen = [
+        prop
+        for prop in CATALOGUE
+        if prop.id in selected
+        and prop.id not in skip
+        and profile in prop.profiles
+        and all(name in pipemetrics_provided for name in prop.functions)
+    ]
+    return Passes(
+        chosen, pipemetrics_pool, pipemetrics_options, pipemetrics_coverage,
+        pipemetrics_confirm_pool,
+    )  # fmt: skip

@@ -3,12 +3,12 @@ a Markdown summary (for a CI job summary).
 
 JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id", "function",
 "status", "examples", "found_at", "seconds", "counterexample", "replay", "message", "confirmed",
-"also_judged", "drawn_by", "cites"}]}`` plus the additional top-level key ``"coverage"``.
-``found_at`` is the example at which a failure first appeared, before shrinking (null
-otherwise); ``drawn_by`` names the property whose generator drew it when not its own (null
-otherwise; ``found_at`` then counts that generator's examples), and ``also_judged`` counts the
-scenarios of other generators a passing property judged besides its examples (0 otherwise;
-`pipemetrics.properties.guests`). ``confirmed`` is true for a failure that
+"drawn_by", "cites"}]}`` plus the additional top-level key ``"coverage"``. ``examples`` counts
+the scenarios the property judged, on its own generator's pass and on those of
+`pipemetrics.properties.catalogue.ALSO_JUDGED_ON`. ``found_at`` is the example at which a
+failure first appeared, before shrinking (null otherwise); ``drawn_by`` names the property
+whose generator drew it when not its own (null otherwise; ``found_at`` then counts that
+generator's examples). ``confirmed`` is true for a failure that
 reproduced on the process tier (every reported failure; a failure of the in-process tier that
 did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
 key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.results.picture`.

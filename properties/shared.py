@@ -1,13 +1,10 @@
-"""One run, every judge: a scenario that several properties draw is run once and judged by each.
+"""A pass's world runs, kept: a failing property's real test meets them again without running them.
 
-Properties whose generators are equal (`pipemetrics.properties.catalogue.Generator`) draw the
-same scenarios in the same order from the run's seed (`pipemetrics.properties.engine.RunOptions.
-draws_seed`) until one of them fails, so `SharedRuns` keeps each world run by its scenario and
-hands the same run to the next property's judge instead of running the world again. Each
-property still draws, judges, shrinks and reports on its own; only the world run is shared. A
-run is kept by the scenario's whole content except the property that drew it, so two
-properties share a run only where they asked for exactly the same thing. ``check -n`` hands
-the properties of one generator to one worker together (`pipemetrics.commands.worker_queue`).
+A property that did not pass a scenario of its pass is run again by its real test
+(`pipemetrics.properties.engine.real_test`), which draws the same scenarios up to that one:
+`SharedRuns` keeps each world run by its scenario and hands the same run to the real test
+instead of running the world again. A run is kept by the scenario's whole content except the
+property that drew it.
 """
 
 from __future__ import annotations
@@ -21,10 +18,9 @@ from pipemetrics.sim.worlds.pool import Tier
 from pipemetrics.sim.worlds.world import WorldRun
 
 KEPT_RUNS = 2048
-"""Runs kept (least recently used dropped first): more than one property's examples and its
-combinations under every Hypothesis profile's default (1,000 examples at most), so a property's
-runs are still there for the next property of its generator; with a larger ``--max-examples``
-the later properties of a generator share fewer runs (never judge fewer scenarios)."""
+"""Runs kept (least recently used dropped first): more than one pass's examples and
+combinations under every Hypothesis profile's default (1,000 examples at most); with a larger
+``--max-examples`` a real test runs again some of the worlds its pass ran."""
 
 
 class Runner(Protocol):

@@ -392,27 +392,6 @@ negative scale; the result is then just scaled)."""
 # -- MoE / MTP scenarios -----------------------------------------------------------------------
 
 
-def _drawn_both_ways(wide: object, narrow: object) -> bool:
-    return wide is None and isinstance(narrow, bool)
-
-
-def _also_drawn(wide: object, narrow: object) -> bool:
-    return wide is True and narrow is False
-
-
-WIDER_OPTIONS: dict[str, Callable[[object, object], bool]] = {
-    "per_layer": _drawn_both_ways,
-    "scale_one": _also_drawn,
-    "masked_mtp": _also_drawn,
-}
-"""Options of `moe_scenarios` and `mtp_scenarios` one of whose values draws every scenario another
-value draws, the rest of the options being equal (`pipemetrics.properties.catalogue.Generator.
-covers`): ``per_layer=None`` draws ``per_layer_logging`` either way; ``scale_one=True`` draws the
-scales of ``False`` and a scale of 1 (and, for MTP, the call without an argument) besides;
-``masked_mtp=True`` draws every record of ``False`` and masked layers besides (any subset, the
-empty one included). Any other option covers only its own value."""
-
-
 def moe_call(
     layout: ModelLayout,
     semantic: Semantic,

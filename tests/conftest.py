@@ -178,7 +178,7 @@ def inprocess_pool() -> Iterator[TrackingPool]:
 @pytest.fixture(scope="module")
 def some_pool() -> Iterator[TrackingPool]:
     """The in-process tier where the installed megatron-core runs it (faster), else processes:
-    for what is the same on either (judging ahead, guests)."""
+    for what is the same on either (passes, their judges)."""
     with tracking_pool("process" if inprocess_unsupported() else "inprocess") as tracking:
         yield tracking
 

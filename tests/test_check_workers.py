@@ -66,9 +66,9 @@ def _same(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_two_workers_report_what_one_does(tmp_path: Path, bounds: Bounds) -> None:
-    """Same verdicts, examples and merged coverage, seeded: each property draws its own; and
-    what a property judged as a guest of another generator's pass (mtp.keys of mtp.loss_scale's)
-    is merged into its result wherever that pass ran."""
+    """Same verdicts, examples and merged coverage, seeded: each pass draws its own; and what a
+    property judged on another generator's pass (mtp.keys on mtp.loss_scale's) is counted in
+    its result wherever that pass ran."""
     run = ("--only", "round_up.least_multiple", "track_names.router_parity",
            "broadcast.value_error", "mtp.keys", "mtp.loss_scale", "--max-examples", "8",
            "--seed", "0")  # fmt: skip
@@ -81,5 +81,4 @@ def test_two_workers_report_what_one_does(tmp_path: Path, bounds: Bounds) -> Non
         reports.append(_same(data))
     assert reports[0] == reports[1]
     by_id = {entry["id"]: entry for entry in reports[0]["properties"]}
-    assert by_id["mtp.keys"]["also_judged"] == by_id["mtp.loss_scale"]["examples"] >= 8
-    assert by_id["mtp.loss_scale"]["also_judged"] == 0
+    assert by_id["mtp.keys"]["examples"] >= by_id["mtp.loss_scale"]["examples"] + 8 >= 16

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 
 from pipemetrics.commands.worker_queue import DONE, Group, dispatch, groups_of
-from pipemetrics.properties.catalogue import CATALOGUE
+from pipemetrics.properties.catalogue import CATALOGUE, passes
 
 #: Runs with megatron-core unreachable (ci/test.sh); the oldest release's leg leaves it out.
 pytestmark = pytest.mark.release_independent
@@ -24,7 +24,7 @@ BOUND_S = 60.0
 
 def test_groups_hold_one_generator_each_largest_first_numbered_in_order() -> None:
     todo = list(CATALOGUE)
-    groups = groups_of(todo)
+    groups = groups_of(passes(todo))
     by_id = {p.id: p for p in todo}
     assert sorted(i for g in groups for i in g.ids) == sorted(by_id)
     generators = [{by_id[i].scenarios for i in g.ids} for g in groups]
@@ -89,7 +89,7 @@ def bounded_dispatch(
 def test_every_group_is_handed_out_once_and_workers_end(
     tmp_path: object, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    groups = groups_of(list(CATALOGUE))
+    groups = groups_of(passes(CATALOGUE))
     with workers(tmp_path, 0, 0) as procs:
         given = bounded_dispatch(procs, groups)
         codes = [proc.wait(timeout=BOUND_S) for proc in procs]
@@ -104,7 +104,7 @@ def test_every_group_is_handed_out_once_and_workers_end(
 
 def test_a_worker_that_ends_takes_no_more(tmp_path: object) -> None:
     """A worker ending on its first group keeps only that one; the other runs the rest."""
-    groups = groups_of(list(CATALOGUE))
+    groups = groups_of(passes(CATALOGUE))
     with workers(tmp_path, 1, 0) as procs:
         given = bounded_dispatch(procs, groups)
         assert procs[0].wait(timeout=BOUND_S) == 3
