@@ -1,16 +1,18 @@
-"""The Hypothesis test of one property: its scenarios drawn the same way by every pass.
+"""The Hypothesis tests: a generator's (`generator_test`), a property's own (`property_test`).
 
-`property_test` builds the ``@given`` test that draws a property's scenarios (its combinations
-of two conditions first, at their floor: `pipemetrics.properties.combinations`), under its
-settings and the run's seed, and `run_judged` runs and judges one drawn example. Both passes
-over a property use them, so that they draw the same scenarios in the same order and judge
-them the same way: the look-ahead pass that runs and judges them beside the
-drawing (`pipemetrics.properties.ahead`) and the pass that shrinks a failure
-(`pipemetrics.properties.engine`).
+`generator_test` builds the ``@given`` test of a generator: explicit examples first, then its
+draws under the run's settings and seed (`hypothesis_settings`: no deadline, nothing printed),
+its examples kept in the example database under a key of ours. A pass
+(`pipemetrics.properties.passes`) runs it with its properties' combinations as the explicit
+examples and no database; a property's real test (`pipemetrics.properties.engine.real_test`)
+runs `property_test`: on its own generator, its combinations and its key in the run's
+database; on another property's generator, that one's draws alone. Both draw the same scenarios
+in the same order from one seed, so a real test meets its pass's failure at the same example.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -106,10 +108,17 @@ def generator_test(
     seeded: Callable[[], None] = hypothesis_settings(
         effort, effort.examples_for(options.max_examples), database=database
     )(test)
-    # Where the database keeps the examples: the same whatever the test function (Hypothesis
-    # would key them by it).
-    seeded._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
-    return seeded
+    return keyed(seeded, key)
+
+
+def keyed(test: Callable[[], None], key: bytes) -> Callable[[], None]:
+    """``test`` with its examples kept under ``key`` in the example database, whatever its test
+    function (Hypothesis keys them by the function, the same closure for every property).
+    Hypothesis's private ``_hypothesis_internal_database_key``: without it (a Hypothesis that
+    no longer reads it) the properties share one key, and a property's saved examples are
+    replayed by the others as well, never lost (docs/internals/hypothesis.md)."""
+    test._hypothesis_internal_database_key = key  # type: ignore[attr-defined]
+    return test
 
 
 def property_test(
@@ -140,9 +149,14 @@ def database_keys(prop: Property, options: RunOptions) -> tuple[bytes, ...]:
     return (key, key + b".secondary", key + b".pareto")
 
 
+LOCAL_CONSTANTS = ("hypothesis.internal.conjecture.providers", "_get_local_constants")
+"""The private hook `draws_independent_of_local_code` replaces: module and name."""
+
+
 @contextmanager
 def draws_independent_of_local_code() -> Iterator[None]:
-    """Make a seeded run draw the same examples wherever it runs.
+    """Make a seeded run draw the same examples wherever it runs (a private hook of Hypothesis's,
+    ``providers._get_local_constants``: docs/internals/hypothesis.md).
 
     Hypothesis also draws (5% of numeric and text choices) from the literals of the *local*
     modules imported so far, that is, every module outside site-packages and the standard
@@ -150,21 +164,21 @@ def draws_independent_of_local_code() -> Iterator[None]:
     installed editable. The same ``--seed`` then draws different examples in a wheel install and
     in a checkout, after an edit to the target, or after a module of either gained a constant.
     Draws here come only from the strategies and Hypothesis's own constants."""
+    module, name = LOCAL_CONSTANTS
     try:
-        from hypothesis.internal.conjecture import providers
-    except ImportError:  # pragma: no cover - Hypothesis reorganised its internals
-        yield
-        return
-    original = getattr(providers, "_get_local_constants", None)
+        providers = importlib.import_module(module)
+    except ImportError:  # Hypothesis reorganised its internals
+        providers = None
+    original = getattr(providers, name, None)
     cache = getattr(providers, "CONSTANTS_CACHE", None)
     if original is None or cache is None or not hasattr(providers, "Constants"):
         yield  # a Hypothesis without local constants: its draws already are independent
         return
-    empty = providers.Constants()
-    providers._get_local_constants = lambda: empty
+    empty = providers.Constants()  # type: ignore[union-attr]
+    setattr(providers, name, lambda: empty)
     cache.cache.clear()  # filtered constants already cached would still hold local ones
     try:
         yield
     finally:
-        providers._get_local_constants = original
+        setattr(providers, name, original)
         cache.cache.clear()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 from pipemetrics.sim.model.layout import WorldSpec
 
@@ -178,10 +178,12 @@ PHASES = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrin
 
 
 def hypothesis_settings(effort: Effort, max_examples: int, *, database: object) -> settings:
-    """Settings for one property: no Hypothesis deadline (the simulator enforces deadlines)."""
+    """Settings for one property: no Hypothesis deadline (the simulator enforces deadlines), and
+    nothing printed (pipemetrics reports every failure itself)."""
     return settings(
         max_examples=max_examples,
         deadline=None,
+        verbosity=Verbosity.quiet,
         database=database,  # type: ignore[arg-type]
         phases=PHASES,
         suppress_health_check=SUPPRESSED,

@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from hypothesis.database import ExampleDatabase
-from hypothesis.reporting import with_reporter
 
 from pipemetrics.properties.catalogue import Generator, Pass, Property, passes
 from pipemetrics.properties.coverage import Coverage
@@ -180,7 +179,7 @@ def _draw(pass_: Pass, judges: list[_Judge], runner: Runner, options: RunOptions
     thread.start()
     drawn_to_the_end = False
     try:
-        with draws_independent_of_local_code(), with_reporter(lambda _said: None):
+        with draws_independent_of_local_code():
             test()
         drawn_to_the_end = True
     except (_Enough, Exception):
