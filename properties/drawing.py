@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 from hypothesis import example as explicit_example
 from hypothesis import given
@@ -149,6 +150,14 @@ def database_keys(prop: Property, options: RunOptions) -> tuple[bytes, ...]:
     return (key, key + b".secondary", key + b".pareto")
 
 
+def hypothesis_internals(module: str) -> ModuleType | None:
+    """A module of Hypothesis's internals, or None where a release has reorganised them."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
 LOCAL_CONSTANTS = ("hypothesis.internal.conjecture.providers", "_get_local_constants")
 """The private hook `draws_independent_of_local_code` replaces: module and name."""
 
@@ -165,10 +174,7 @@ def draws_independent_of_local_code() -> Iterator[None]:
     in a checkout, after an edit to the target, or after a module of either gained a constant.
     Draws here come only from the strategies and Hypothesis's own constants."""
     module, name = LOCAL_CONSTANTS
-    try:
-        providers = importlib.import_module(module)
-    except ImportError:  # Hypothesis reorganised its internals
-        providers = None
+    providers = hypothesis_internals(module)
     original = getattr(providers, name, None)
     cache = getattr(providers, "CONSTANTS_CACHE", None)
     if original is None or cache is None or not hasattr(providers, "Constants"):

@@ -11,7 +11,6 @@ written with `save_scenario` for ``pipemetrics replay``.
 
 from __future__ import annotations
 
-import importlib
 import time
 import traceback
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from pipemetrics.properties.catalogue import BY_ID, Generator, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
     draws_independent_of_local_code,
+    hypothesis_internals,
     property_test,
     run_judged,
 )
@@ -131,10 +131,7 @@ def shrink_budget(seconds: float) -> Any:
     """Cap Hypothesis's wall-clock shrinking time (its default is five minutes) where its
     private `SHRINK_LIMIT` exists; without it, Hypothesis's own limit holds."""
     module, name = SHRINK_LIMIT
-    try:
-        engine = importlib.import_module(module)
-    except ImportError:  # Hypothesis reorganised its internals
-        engine = None
+    engine = hypothesis_internals(module)
     original = getattr(engine, name, None)
     if original is not None:
         setattr(engine, name, int(seconds))

@@ -14,6 +14,7 @@ through the ``pytest11`` entry point; without these options it only adds them an
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -101,6 +102,28 @@ def _lists(config: pytest.Config) -> tuple[set[str], set[str]]:
     return selection.skip, selection.xfail
 
 
+JUDGED = "pipemetrics_scenarios_judged"
+"""The user property (JUnit XML ``<property>``) of each conformance test: the scenarios its
+property judged, summed up at the end of the run (`pytest_terminal_summary`)."""
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line after the tests: how many scenarios each property judged (least, most)."""
+    judged = [
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == JUDGED
+    ]
+    if judged:
+        terminalreporter.write_line(
+            f"pipemetrics: {len(judged)} properties judged, {min(judged)} to {max(judged)} "
+            f"scenarios each ({sum(judged)} judgements)"
+        )
+
+
 SELECTED = pytest.StashKey[set[str]]()
 """The property IDs whose tests this pytest process collected and kept (after ``-k``)."""
 
@@ -132,10 +155,28 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "pipemetrics_property(id): a pipemetrics conformance property test"
     )
-    if getattr(config.option, "dist", "no") == "load" and _runs_the_suite(config.args):
-        # Each test's result comes from the passes of generators its worker runs: the tests of
-        # passes that judge alike (their xdist_group) go to one worker, each pass run once.
-        config.option.dist = "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist's ``load`` distribution of the conformance suite: each test's result
+    comes from the passes its worker runs, so the tests of passes that share a judge
+    (`pipemetrics.properties.catalogue.judged_together`) go to one worker, each pass run once
+    per run (xdist's scopes; its ``xdist_group`` marks do not survive pytest 9's node IDs)."""
+    if getattr(config.option, "dist", "no") != "load" or not _runs_the_suite(config.args):
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    from pipemetrics.properties.catalogue import CATALOGUE, judged_together
+
+    groups = judged_together(CATALOGUE)
+
+    class ByPass(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            found = re.search(r"test_property\[([^\]]+)\]", nodeid)
+            return groups.get(found.group(1), nodeid) if found else nodeid
+
+    return ByPass(config, log)
 
 
 def _runs_the_suite(args: list[str]) -> bool:

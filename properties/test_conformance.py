@@ -1,6 +1,6 @@
 """The conformance suite as pytest tests: one test per property ID, its result from the passes
-of the generators that judge it (`pipemetrics.properties.passes.Passes`), the tests of passes
-that share a judge in one xdist group (under pytest-xdist the plugin distributes by group).
+of the generators that judge it (`pipemetrics.properties.passes.Passes`); under pytest-xdist,
+the tests of passes that share a judge run in one worker (`plugin.pytest_xdist_make_scheduler`).
 
 Collected by ``pytest --pyargs pipemetrics.properties --pipemetrics-impl=TARGET`` (fixtures and
 options come from `pipemetrics.properties.plugin`). A property of a function the target does not
@@ -13,26 +13,20 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.properties.catalogue import CATALOGUE, Property, judged_together
-
-GROUPS = judged_together(CATALOGUE)
+from pipemetrics.properties.catalogue import CATALOGUE, Property
+from pipemetrics.properties.plugin import JUDGED
 
 
 @pytest.mark.parametrize(
     "prop",
-    [
-        pytest.param(
-            p, id=p.id,
-            marks=[pytest.mark.pipemetrics_property(p.id), pytest.mark.xdist_group(GROUPS[p.id])],
-        )
-        for p in CATALOGUE
-    ],
-)  # fmt: skip
+    [pytest.param(p, id=p.id, marks=pytest.mark.pipemetrics_property(p.id)) for p in CATALOGUE],
+)
 def test_property(
     prop: Property,
     pipemetrics_options: Any,
     pipemetrics_provided: set[str],
     pipemetrics_passes: Any,
+    record_property: Any,
 ) -> None:
     if pipemetrics_options.profile not in prop.profiles:
         pytest.skip(f"not part of the {pipemetrics_options.profile} profile")
@@ -40,6 +34,7 @@ def test_property(
     if missing:
         pytest.skip(f"absent: the target does not define {', '.join(missing)}")
     result = pipemetrics_passes.result_of(prop)
+    record_property(JUDGED, result.examples)
     if result.status == "pass":
         return
     parts = [f"{prop.id} {result.status}: {result.message}"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -81,16 +82,27 @@ def test_plugin_reports_a_failing_property(tmp_path: Path, bounds: Bounds) -> No
     assert "pipemetrics replay" in output
 
 
-def test_plugin_under_xdist_on_the_reference(tmp_path: Path, bounds: Bounds) -> None:
+def test_plugin_under_xdist_runs_each_pass_in_one_worker(tmp_path: Path, bounds: Bounds) -> None:
+    """Under ``-n 2`` the tests of the passes that share a judge (the MTP properties judged on
+    mtp.loss_scale's scenarios) run in one worker, each pass once there, and the summary line
+    counts what each property judged (mtp.keys: its own pass and mtp.loss_scale's)."""
     pytest.importorskip("xdist")
     code, output = run_pytest(
-        tmp_path, "--pyargs", "pipemetrics.properties", "-n", "2",
-        "-k", "round_up or track_names or broadcast",
+        tmp_path, "--pyargs", "pipemetrics.properties", "-n", "2", "-v", "-v",
+        "-k", "round_up or broadcast or (mtp and not reset)",
         "--pipemetrics-hypothesis-profile=dev", "--pipemetrics-max-examples=4",
         "--pipemetrics-database=none", bounds=bounds,
     )  # fmt: skip
     assert code == 0, output
-    assert "5 passed" in output.strip().splitlines()[-1], output
+    assert "8 passed" in output.strip().splitlines()[-1], output
+    workers = {
+        found.group(2): found.group(1)
+        for line in output.splitlines()
+        if (found := re.match(r"\[(gw\d+)\].* PASSED .*test_property\[([^\]]+)\]", line))
+    }
+    mtp = {pid: worker for pid, worker in workers.items() if pid.startswith("mtp.")}
+    assert len(mtp) == 4 and len(set(mtp.values())) == 1, output
+    assert "pipemetrics: 8 properties judged, 4 to " in output, output
 
 
 def test_plugin_is_harmless_elsewhere(tmp_path: Path, bounds: Bounds) -> None:
