@@ -168,7 +168,7 @@ def marker_releases(spec: str) -> set[str]:
 def _marked_lines(source: str, release: str) -> set[int]:
     """The lines (1-based) of the parts marked for releases other than ``release``."""
     lines = source.splitlines()
-    tree = ast.parse(source)
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt | ast.expr)]
     sections = [n for n, line in enumerate(lines, 1) if _SECTION.match(line)]
     dropped: set[int] = set()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -187,29 +187,25 @@ def _marked_lines(source: str, release: str) -> set[int]:
         if column == 0 or not lines[number - 1][:column].strip():
             raise ValueError(f"line {number}: a marker follows the code it marks")
         if release not in marker_releases(marker["spec"]):
-            dropped.update(range(*_marked_span(tree, lines, number)))
+            dropped.update(range(*_marked_span(nodes, lines, number)))
     return dropped
 
 
-def _marked_span(tree: ast.Module, lines: list[str], number: int) -> tuple[int, int]:
+def _marked_span(
+    nodes: list[ast.stmt | ast.expr], lines: list[str], number: int
+) -> tuple[int, int]:
     """[first, end) of what a marker on line ``number`` marks: the ``else:`` clause that line
     opens, else the outermost statement or expression starting there (a definition with its
     decorators and the ``#:`` comments right above it)."""
     text = lines[number - 1]
     indent = len(text) - len(text.lstrip())
     if text.lstrip().startswith("else:"):
-        for node in ast.walk(tree):
+        for node in nodes:
             body, orelse = getattr(node, "body", None), getattr(node, "orelse", None)
             if body and orelse and body[-1].end_lineno < number < orelse[0].lineno:
                 return number, orelse[-1].end_lineno + 1
         raise ValueError(f"line {number}: no else clause for the marker")
-    starting = [
-        node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.stmt | ast.expr)
-        and node.lineno == number
-        and node.col_offset == indent
-    ]
+    starting = [node for node in nodes if node.lineno == number and node.col_offset == indent]
     if not starting:
         raise ValueError(f"line {number}: the marker marks no statement or element")
     node = max(starting, key=lambda n: n.end_lineno or n.lineno)
