@@ -202,8 +202,10 @@ def _marked_span(
     if text.lstrip().startswith("else:"):
         for node in nodes:
             body, orelse = getattr(node, "body", None), getattr(node, "orelse", None)
-            if body and orelse and body[-1].end_lineno < number < orelse[0].lineno:
-                return number, orelse[-1].end_lineno + 1
+            if not (isinstance(body, list) and isinstance(orelse, list) and body and orelse):
+                continue  # no else clause (a conditional expression's parts are no lists)
+            if (body[-1].end_lineno or 0) < number < orelse[0].lineno:
+                return number, (orelse[-1].end_lineno or number) + 1
         raise ValueError(f"line {number}: no else clause for the marker")
     starting = [node for node in nodes if node.lineno == number and node.col_offset == indent]
     if not starting:

@@ -156,3 +156,46 @@ def test_a_marker_naming_an_unknown_release_is_refused() -> None:
     assert vendor_module.SNAPSHOTS == ("main", "dev")
     with pytest.raises(ValueError, match="no cut for megatron-core main"):
         cut_source(source, "main")
+
+
+TOY = """SUPPORTED_MEGATRON_CORE = ">=0.13,<0.21"
+_SUPPORTED_MIN = (0, 13)
+_SUPPORTED_END = (0, 21)
+X = 1 if SUPPORTED_MEGATRON_CORE else 2
+KEYS = (
+    "a",
+    "b",  # only: dev
+)
+
+
+@staticmethod
+def old() -> int:  # only: 0.13-0.17
+    return 0
+
+
+def f(a: int) -> int:
+    y = a if a else 0
+    if y:
+        return 1
+    else:  # only: dev
+        return 2
+    return 3
+
+
+# ------------------------------------------------ legacy (only: 0.13-0.14)
+
+LEGACY = 1
+"""
+
+
+def test_what_each_kind_of_marker_drops() -> None:
+    """A statement with its decorators, an ``else:`` clause (beside conditional expressions),
+    an element of a literal, a section; kept where the SPEC names the release."""
+    cut = cut_source(TOY, "0.19")
+    assert "def old" not in cut and "@staticmethod" not in cut
+    assert "return 2" not in cut and "else:" not in cut and "return 3" in cut
+    assert '"b"' not in cut and '"a"' in cut and "LEGACY" not in cut
+    assert 'SUPPORTED_MEGATRON_CORE = ">=0.19,<0.20"' in cut
+    assert "\n\n\n\n" not in cut
+    kept = cut_source(TOY, "0.13")
+    assert "def old" in kept and "LEGACY = 1" in kept and "return 2" not in kept
