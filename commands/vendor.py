@@ -1,7 +1,8 @@
-"""``pipemetrics vendor DEST``: write the reference as one self-contained file to copy into a tree;
-``pipemetrics vendor --check FILE``: whether such a file is still what ``vendor`` writes (exit 0
-identical, 1 drift, 2 unreadable or not a vendored copy). The file and its header are
-`pipemetrics.properties.vendor`'s.
+"""``pipemetrics vendor DEST``: write the reference as one self-contained file to copy into a tree
+(``--megatron-core X.Y``: its cut for that release);
+``pipemetrics vendor --check FILE``: whether such a file (full or cut) is still what ``vendor``
+writes (exit 0 identical, 1 drift, 2 unreadable or not a vendored copy). The file, its cuts and
+its header are `pipemetrics.properties.vendor`'s.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ from pathlib import Path
 
 from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.vendor import (
+    CUT_RELEASES,
     VendoredHeader,
     first_difference,
     pipemetrics_version,
     read_header,
-    reference_path,
+    release_of,
     resolve_dest,
     shown_path,
     source_digest,
+    vendored_body,
     vendored_text,
 )
 
@@ -36,8 +39,17 @@ def add_vendor_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--check",
         metavar="FILE",
-        help="exit 0 when FILE is what `vendor` writes for its header's destination, 1 on "
-        "drift (naming the first differing line), 2 when FILE is not a vendored copy",
+        help="exit 0 when FILE is what `vendor` writes for its header's destination (and "
+        "release, for a cut), 1 on drift (naming the first differing line), 2 when FILE is not "
+        "a vendored copy",
+    )
+    parser.add_argument(
+        "--megatron-core",
+        metavar="X.Y",
+        dest="megatron_core",
+        help="write the reference cut for this megatron-core release: without the parts only "
+        f"other releases run ({', '.join(CUT_RELEASES)}; default: the full file, every release "
+        "and git snapshot)",
     )
 
 
@@ -49,13 +61,22 @@ COMMAND = Subcommand(
 
 
 def vendor_command(args: argparse.Namespace) -> int:
-    return vendor_main(args.dest) if args.check is None else check_main(args.check)
+    if args.check is not None and args.megatron_core is not None:
+        print(
+            "pipemetrics vendor: --megatron-core is not allowed with --check (the file's header "
+            "names its release)",
+            file=sys.stderr,
+        )
+        return _EXIT_USAGE
+    if args.check is not None:
+        return check_main(args.check)
+    return vendor_main(args.dest, args.megatron_core)
 
 
 def _why(declared: VendoredHeader, text: str) -> str:
     """Which part drifted: the header, the reference text, or neither (another reference)."""
     body = source_digest("".join(text.splitlines(keepends=True)[declared.length :]))
-    if body == source_digest(reference_path().read_text(encoding="utf-8")):
+    if body == source_digest(vendored_body(declared.release)):
         if declared.digest is None:
             return (
                 "the header has no sha256 line (vendored by an older pipemetrics, or edited); "
@@ -78,14 +99,16 @@ def check_main(path: str) -> int:
     try:
         text = Path(path).read_text(encoding="utf-8")
         declared = read_header(text)
-        expected = vendored_text(declared.dest or shown_path(Path(path)))
+        release = None if declared.release is None else release_of(declared.release)
+        expected = vendored_text(declared.dest or shown_path(Path(path)), release)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         print(f"pipemetrics vendor --check: {path}: {exc}", file=sys.stderr)
         return _EXIT_USAGE
     difference = first_difference(text, expected)
     if difference is None:
-        digest = source_digest(reference_path().read_text(encoding="utf-8"))
-        print(f"{path}: up to date (pipemetrics {declared.version}, sha256 {digest[:12]})")
+        digest = source_digest(vendored_body(release))
+        cut = "" if release is None else f", cut for megatron-core {release}"
+        print(f"{path}: up to date (pipemetrics {declared.version}{cut}, sha256 {digest[:12]})")
         return _EXIT_OK
     number, found, wanted = difference
     print(
@@ -97,17 +120,19 @@ def check_main(path: str) -> int:
     return _EXIT_DRIFT
 
 
-def vendor_main(dest: str) -> int:
+def vendor_main(dest: str, megatron_core: str | None = None) -> int:
     try:
+        release = None if megatron_core is None else release_of(megatron_core)
         target = resolve_dest(dest)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"pipemetrics vendor: {exc}", file=sys.stderr)
         return _EXIT_USAGE
     try:
-        text = vendored_text(shown_path(target))
+        text = vendored_text(shown_path(target), release)
         target.write_text(text, encoding="utf-8")
     except (OSError, ValueError) as exc:
         print(f"pipemetrics vendor: {exc}", file=sys.stderr)
         return _EXIT_USAGE
-    print(f"wrote {target} (pipemetrics {pipemetrics_version()} reference)")
+    cut = "" if release is None else f", cut for megatron-core {release}"
+    print(f"wrote {target} (pipemetrics {pipemetrics_version()} reference{cut})")
     return _EXIT_OK

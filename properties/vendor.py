@@ -10,6 +10,12 @@ byte-identical file). ``--check`` reads the destination the header declares, wri
 first differing line, both texts, and whether the copy was edited or comes from another
 reference), 2 when the file cannot be read or has no vendored header. Nothing here imports torch
 or megatron-core.
+
+``vendor DEST --megatron-core X.Y`` writes the reference cut for one release instead
+(`cut_source`): without the parts marked ``# only: SPEC`` (or sections ending ``(only: SPEC)``)
+whose SPEC does not name the release, its tested range narrowed to it, behind the same header
+plus a line naming the release (``--check`` reads it back from there). docs/reference.md has the
+marker rules and what each cut drops.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import io
 import os
+import re
+import tokenize
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +35,21 @@ MODULE_FILE = "megatron_common.py"
 _FIRST_LINE = "# Vendored from pipemetrics "
 _DIGEST_LINE = "# Reference sha256: "
 _REGENERATE_LINE = "#     pipemetrics vendor "
+_CUT_LINE = "# Cut for megatron-core "
+_RELEASE_OPTION = " --megatron-core "
+
+#: The megatron-core releases ``vendor --megatron-core`` cuts the reference for (PyPI minors,
+#: oldest first). The git snapshots the suite also tests (`SNAPSHOTS`) have no cut: a branch has
+#: no fixed API, and dev calls itself 0.19.0; they take the full file.
+CUT_RELEASES = ("0.13", "0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
+SNAPSHOTS = ("main", "dev")
+#: A marker: ``# only: SPEC`` after the code of a line (the statement, ``else:`` clause or
+#: element of a literal that starts there), or ``(only: SPEC)`` ending a section line
+#: (``# ---- title``: up to the next section line). SPEC: releases, ``X.Y-X.Y`` ranges of
+#: `CUT_RELEASES`, ``main``, ``dev``, separated by commas; a bracketed remark may follow.
+_MARKER = re.compile(r"^#\s*only:\s*(?P<spec>[\w.\-]+(?:\s*,\s*[\w.\-]+)*)\s*(?:\(.*\))?$")
+_SECTION = re.compile(r"^# [-=]{10,} ")
+_SECTION_MARKER = re.compile(r"\(only:\s*(?P<spec>[^)]*)\)\s*$")
 
 
 def reference_path() -> Path:
@@ -63,15 +87,24 @@ def source_digest(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()
 
 
-def header(shown_dest: str, *, version: str, digest: str, megatron_range: str) -> str:
+def header(
+    shown_dest: str, *, version: str, digest: str, megatron_range: str, release: str | None = None
+) -> str:
+    option = "" if release is None else f"{_RELEASE_OPTION}{release}"
+    cut = [] if release is None else [
+        f"{_CUT_LINE}{release}: without the parts only other releases run; where the",
+        "# installed release needs one, it raises UnsupportedMegatronCoreError at import. The",
+        "# full file (vendor without --megatron-core) runs on every release and git snapshot.",
+    ]  # fmt: skip
     lines = [
         f"{_FIRST_LINE}{version}: pipemetrics.reference.megatron_common.",
         f"{_DIGEST_LINE}{digest}",
+        *cut,
         f"# Tested against megatron-core {megatron_range}. Under another release it warns once",
         "# (UntestedMegatronCoreWarning) and carries on when every megatron-core API it uses is",
         "# present; it raises UnsupportedMegatronCoreError, naming the API, when one is missing.",
         "# Do not edit by hand. Regenerate with:",
-        f"{_REGENERATE_LINE}{shown_dest}",
+        f"{_REGENERATE_LINE}{shown_dest}{option}",
         "# check that this copy has not drifted (exit 1 names the first differing line) with:",
         f"{_REGENERATE_LINE}--check {shown_dest}",
         "# and check its behaviour with:",
@@ -102,16 +135,157 @@ def resolve_dest(dest: str) -> Path:
     return path
 
 
-def vendored_text(shown_dest: str) -> str:
+def release_of(value: str) -> str:
+    """The release ``--megatron-core VALUE`` names (``0.19`` or ``0.19.2``: ``0.19``);
+    ``ValueError`` naming the option when no cut exists for it."""
+    match = re.fullmatch(r"v?(\d+)\.(\d+)(?:\.\d+\S*)?", value.strip())
+    release = f"{match[1]}.{match[2]}" if match else value
+    if release not in CUT_RELEASES:
+        snapshot = " (a git snapshot: use the full file, the default)" if value in SNAPSHOTS else ""
+        raise ValueError(
+            f"--megatron-core {value}: no cut for this release{snapshot}; cuts exist for "
+            f"{', '.join(CUT_RELEASES)}, and without --megatron-core the full file (every "
+            "release and git snapshot) is written"
+        )
+    return release
+
+
+def marker_releases(spec: str) -> set[str]:
+    """The releases a marker's SPEC names; ``ValueError`` for one it does not know."""
+    known = (*CUT_RELEASES, *SNAPSHOTS)
+    releases: set[str] = set()
+    for item in (part.strip() for part in spec.split(",")):
+        first, _, last = item.partition("-")
+        if last and first in CUT_RELEASES and last in CUT_RELEASES:
+            releases.update(CUT_RELEASES[CUT_RELEASES.index(first) : CUT_RELEASES.index(last) + 1])
+        elif item in known:
+            releases.add(item)
+        else:
+            raise ValueError(f"unknown megatron-core release {item!r} in a marker ({spec!r})")
+    return releases
+
+
+def _marked_lines(source: str, release: str) -> set[int]:
+    """The lines (1-based) of the parts marked for releases other than ``release``."""
+    lines = source.splitlines()
+    nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt | ast.expr)]
+    sections = [n for n, line in enumerate(lines, 1) if _SECTION.match(line)]
+    dropped: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type != tokenize.COMMENT:
+            continue
+        number, column = token.start
+        section = _SECTION_MARKER.search(token.string) if column == 0 else None
+        if section and _SECTION.match(token.string):
+            if release not in marker_releases(section["spec"]):
+                end = next((n for n in sections if n > number), len(lines) + 1)
+                dropped.update(range(number, end))
+            continue
+        marker = _MARKER.match(token.string)
+        if marker is None:
+            continue
+        if column == 0 or not lines[number - 1][:column].strip():
+            raise ValueError(f"line {number}: a marker follows the code it marks")
+        if release not in marker_releases(marker["spec"]):
+            dropped.update(range(*_marked_span(nodes, lines, number)))
+    return dropped
+
+
+def _marked_span(
+    nodes: list[ast.stmt | ast.expr], lines: list[str], number: int
+) -> tuple[int, int]:
+    """[first, end) of what a marker on line ``number`` marks: the ``else:`` clause that line
+    opens, else the outermost statement or expression starting there (a definition with its
+    decorators and the ``#:`` comments right above it)."""
+    text = lines[number - 1]
+    indent = len(text) - len(text.lstrip())
+    if text.lstrip().startswith("else:"):
+        for node in nodes:
+            body, orelse = getattr(node, "body", None), getattr(node, "orelse", None)
+            if not (isinstance(body, list) and isinstance(orelse, list) and body and orelse):
+                continue  # no else clause (a conditional expression's parts are no lists)
+            if (body[-1].end_lineno or 0) < number < orelse[0].lineno:
+                return number, (orelse[-1].end_lineno or number) + 1
+        raise ValueError(f"line {number}: no else clause for the marker")
+    starting = [node for node in nodes if node.lineno == number and node.col_offset == indent]
+    if not starting:
+        raise ValueError(f"line {number}: the marker marks no statement or element")
+    node = max(starting, key=lambda n: n.end_lineno or n.lineno)
+    first = min([number, *(d.lineno for d in getattr(node, "decorator_list", []))])
+    while first > 1 and lines[first - 2].strip().startswith("#:"):
+        first -= 1
+    return first, (node.end_lineno or number) + 1
+
+
+def _tidy_blank_lines(lines: list[str]) -> list[str]:
+    """At most two blank lines before a top-level line and one before an indented one (what
+    ``ruff format`` leaves), none at the end."""
+    out: list[str] = []
+    blanks = 0
+    for line in lines:
+        if not line.strip():
+            blanks += 1
+            continue
+        top = not line[:1].isspace()
+        out.extend([""] * min(blanks, 2 if top else 1) if out else [])
+        out.append(line)
+        blanks = 0
+    return out
+
+
+def _narrowed(source: str, release: str) -> str:
+    """``source`` with the tested range (`SUPPORTED_MEGATRON_CORE`, the import guard's bounds)
+    narrowed to ``release``."""
+    major, minor = (int(x) for x in release.split("."))
+    for pattern, value in (
+        (
+            r'^SUPPORTED_MEGATRON_CORE = "[^"]*"',
+            f'SUPPORTED_MEGATRON_CORE = ">={release},<{major}.{minor + 1}"',
+        ),
+        (r"^_SUPPORTED_MIN = \(\d+, \d+\)", f"_SUPPORTED_MIN = ({major}, {minor})"),
+        (r"^_SUPPORTED_END = \(\d+, \d+\)", f"_SUPPORTED_END = ({major}, {minor + 1})"),
+    ):
+        source, count = re.subn(pattern, value, source, flags=re.MULTILINE)
+        if count != 1:
+            raise ValueError(f"the reference has no single line matching {pattern!r}")
+    return source
+
+
+def cut_source(source: str, release: str) -> str:
+    """The reference ``source`` cut for megatron-core ``release`` (one of `CUT_RELEASES`):
+    without the parts marked (``# only: ...``) for other releases only, its tested range
+    narrowed to that release. ``ValueError`` when the result would not parse."""
+    if release not in CUT_RELEASES:
+        raise ValueError(f"no cut for megatron-core {release}")
+    dropped = _marked_lines(source, release)
+    kept = [line for n, line in enumerate(source.splitlines(), 1) if n not in dropped]
+    cut = _narrowed("\n".join(_tidy_blank_lines(kept)) + "\n", release)
+    try:
+        ast.parse(cut)
+    except SyntaxError as exc:
+        raise ValueError(f"the cut for megatron-core {release} does not parse: {exc}") from exc
+    return cut
+
+
+def vendored_body(release: str | None = None) -> str:
+    """The text below the header: the reference, or its cut for ``release``."""
     source = reference_path().read_text(encoding="utf-8")
+    return source if release is None else cut_source(source, release)
+
+
+def vendored_text(shown_dest: str, release: str | None = None) -> str:
+    """What ``vendor`` writes for ``shown_dest``: the full reference, or (``release``) its cut
+    for that megatron-core release."""
+    body = vendored_body(release)
     return (
         header(
             shown_dest,
             version=pipemetrics_version(),
-            digest=source_digest(source),
-            megatron_range=supported_range(source),
+            digest=source_digest(body),
+            megatron_range=supported_range(body),
+            release=release,
         )
-        + source
+        + body
     )
 
 
@@ -125,6 +299,7 @@ class VendoredHeader(NamedTuple):
     digest: str | None
     dest: str | None
     length: int  # lines of the header: the reference text starts after them
+    release: str | None = None  # the megatron-core release of a cut; None: the full file
 
 
 def read_header(text: str) -> VendoredHeader:
@@ -132,6 +307,7 @@ def read_header(text: str) -> VendoredHeader:
     leaves it recognisable (its first line, its sha256 line and three lines naming the
     destination are each enough); ``ValueError`` when ``text`` has none of them."""
     version = digest = None
+    releases: dict[str, str] = {}
     dests: dict[str, str] = {}
     length = 0
     for number, line in enumerate(text.splitlines(), start=1):
@@ -142,16 +318,23 @@ def read_header(text: str) -> VendoredHeader:
             version = line.removeprefix(_FIRST_LINE).split(":", 1)[0]
         elif line.startswith(_DIGEST_LINE):
             digest = line.removeprefix(_DIGEST_LINE).strip()
+        elif line.startswith(_CUT_LINE):
+            releases.setdefault("cut", line.removeprefix(_CUT_LINE).split(":", 1)[0].strip())
         elif line.startswith(f"{_REGENERATE_LINE}--check "):
             dests.setdefault("check", line.removeprefix(f"{_REGENERATE_LINE}--check ").strip())
         elif line.startswith(_REGENERATE_LINE):
-            dests.setdefault("vendor", line.removeprefix(_REGENERATE_LINE).strip())
+            shown, option, named = line.removeprefix(_REGENERATE_LINE).partition(_RELEASE_OPTION)
+            dests.setdefault("vendor", shown.strip())
+            if option:
+                releases.setdefault("vendor", named.strip())
         elif line.startswith(_CHECK_IMPL_LINE):
             dests.setdefault("impl", line.removeprefix(_CHECK_IMPL_LINE).strip())
     dest = next((dests[k] for k in ("vendor", "check", "impl") if k in dests), None)
     if version is None and digest is None and dest is None:
         raise ValueError("no header written by `pipemetrics vendor` at the top of the file")
-    return VendoredHeader(version=version, digest=digest, dest=dest, length=length)
+    return VendoredHeader(
+        version, digest, dest, length, releases.get("vendor", releases.get("cut"))
+    )
 
 
 def first_difference(actual: str, expected: str) -> tuple[int, str, str] | None:

@@ -37,7 +37,9 @@ megatron-core's own API wherever the installed release has a right one; each pla
 the work itself says why.
 
 On the pinned release (0.19.2) only the import guard, the ``loss_values`` layout and the
-first lines of `_router_canonical`, `_get_group` and `_sync` run below the seam.
+first lines of `_router_canonical`, `_get_group` and `_sync` run below the seam. A part marked
+``# only: RELEASES`` is left out of the copy cut for another release (``pipemetrics vendor
+DEST --megatron-core X.Y``), which refuses at import a megatron-core that needs it.
 """
 
 from __future__ import annotations
@@ -890,7 +892,7 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     if distributed and own_layout:
         for reduce_name in _MTP_REDUCERS[release]:
             getattr(MTPLossLoggingHelper, reduce_name)()
-    else:
+    else:  # only: dev
         _reduce_mtp_tracker(tracker, distributed)
     losses = tracker[loss_key].float() * (0.0 if scale is None else scale)
     counts = _mtp_counts(tracker, layout, losses)
@@ -1043,10 +1045,10 @@ def _mtp_counts(
     counted = layout.default_counts
     corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
     totals = tracker.get("total_values", torch.ones_like(losses)).float()
-    if "acceptance_counts" in tracker:  # dev: packed [correct, total], its own groups
+    if "acceptance_counts" in tracker:  # only: dev (packed [correct, total], its own groups)
         counted = True
         corrects, totals = tracker["acceptance_counts"].float()
-    counted = counted and bool(tracker.get("acceptance_collection_enabled", True))
+    counted = counted and bool(tracker.get("acceptance_collection_enabled", True))  # only: dev
     return (corrects, totals) if counted else None
 
 
@@ -1062,7 +1064,7 @@ def _clean_mtp(tracker: dict[str, Any], layout: _MtpLayout, own_layout: bool) ->
     tracker (tests/test_reference_upstream.py)."""
     if own_layout:
         getattr(MTPLossLoggingHelper, _MTP_CLEANERS[layout.marker])()
-    else:
+    else:  # only: dev
         _clean_mtp_tracker(tracker)
 
 
@@ -1076,14 +1078,14 @@ def _clean_mtp(tracker: dict[str, Any], layout: _MtpLayout, own_layout: bool) ->
 _SUPPORTED_MIN = (0, 13)  # inclusive (major, minor)
 _SUPPORTED_END = (0, 21)  # exclusive (major, minor)
 _MOE_LOGGING = "megatron.core.transformer.moe.moe_logging"
-_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+_MOE_UTILS = "megatron.core.transformer.moe.moe_utils"  # only: 0.13-0.17
 #: The tracker APIs, newest first: (name, the module that marks it, what it needs). The first
 #: whose marking module imports is the one used: megatron-core 0.18+ keep the legacy
 #: ``moe_utils`` functions as deprecated shims, so their presence says nothing; the
 #: ``moe_logging`` module (new in 0.18) does.
 _TRACKER_APIS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("class", _MOE_LOGGING, ((_MOE_LOGGING, "get_moe_metrics_tracker"),)),
-    (
+    (  # only: 0.13-0.17
         "dict",
         _MOE_UTILS,
         (
@@ -1180,7 +1182,7 @@ _TRACKER_API = _check_megatron_core(_megatron_core_version())
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper  # noqa: E402
 
-# -------------------------------------------------------------------- 0.13-0.17: the dict tracker
+# ----------------------------------------------- 0.13-0.17: the dict tracker (only: 0.13-0.17)
 
 
 class _LegacyEntry:
@@ -1318,13 +1320,16 @@ def _legacy_moe_metrics_tracker() -> _LegacyTracker:
     return tracker
 
 
+# ---------------------------------------------------------------- the MoE tracker, its reduction
+
 #: Megatron's MoE metrics tracker: 0.18+'s ``MoEMetricsTracker`` singleton, or the adapter of
 #: 0.13-0.17's dict tracker (`_LegacyTracker`), as the installed release has.
-get_moe_metrics_tracker: Callable[[], Any] = (
-    importlib.import_module(_MOE_LOGGING).get_moe_metrics_tracker
-    if _TRACKER_API == "class"
-    else _legacy_moe_metrics_tracker
-)
+if _TRACKER_API == "class":
+    get_moe_metrics_tracker: Callable[[], Any] = importlib.import_module(
+        _MOE_LOGGING
+    ).get_moe_metrics_tracker
+else:  # only: 0.13-0.17
+    get_moe_metrics_tracker = _legacy_moe_metrics_tracker
 
 
 def _sync(tracker: Any, names: list[str]) -> None:
@@ -1335,21 +1340,20 @@ def _sync(tracker: Any, names: list[str]) -> None:
     ``needs_dp_avg`` (a ``MetricEntry`` field; True when absent), AVG over the data-parallel
     group without context parallelism. On 0.13-0.17 the values are then the same on every rank,
     and the same as 0.18 returns for the same records."""
-    sync = getattr(tracker, "_sync_metrics", None)
-    if callable(sync):
-        sync(names)
+    if not callable(getattr(tracker, "_sync_metrics", None)):  # only: 0.13-0.17
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
+        for name in names:
+            entry = tracker.metrics[name]
+            dist.all_reduce(entry.values, group=pp_group)
+            if entry.reduce_group is not None:
+                dist.all_reduce(entry.values, group=entry.reduce_group)
+            if entry.avg_group is not None:
+                dist.all_reduce(entry.values, group=entry.avg_group, op=dist.ReduceOp.AVG)
+            if getattr(entry, "needs_dp_avg", True):
+                dist.all_reduce(entry.values, group=dp_group, op=dist.ReduceOp.AVG)
         return
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
-    dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)
-    for name in names:
-        entry = tracker.metrics[name]
-        dist.all_reduce(entry.values, group=pp_group)
-        if entry.reduce_group is not None:
-            dist.all_reduce(entry.values, group=entry.reduce_group)
-        if entry.avg_group is not None:
-            dist.all_reduce(entry.values, group=entry.avg_group, op=dist.ReduceOp.AVG)
-        if getattr(entry, "needs_dp_avg", True):
-            dist.all_reduce(entry.values, group=dp_group, op=dist.ReduceOp.AVG)
+    tracker._sync_metrics(names)
 
 
 # -------------------------------------------------------------------- 0.13/0.14: getter keywords
@@ -1377,25 +1381,31 @@ def _takes_check_initialized(getter: Callable[..., Any]) -> bool:
 
 # -------------------------------------------------------------------- 0.13-0.18, dev: z_loss groups
 
-_ROUTER = "megatron.core.transformer.moe.router"
+_ROUTER = "megatron.core.transformer.moe.router"  # only: 0.13-0.18, dev
 
 
 def _router_canonical() -> dict[str, tuple[str | None, str | None, bool]]:
     """`_CANONICAL` as the installed ``TopKRouter`` records: its ``apply_z_loss`` passes
     ``avg_group`` from megatron-core 0.19 on; 0.13-0.18 record ``z_loss`` without groups. Decided
     by the router's code, not its version (0.19's table when the router cannot be read)."""
+    if _z_loss_without_groups():  # only: 0.13-0.18, dev
+        return {**_CANONICAL, _Z_LOSS_NAME: (None, None, True)}
+    return _CANONICAL
+
+
+def _z_loss_without_groups() -> bool:  # only: 0.13-0.18, dev
+    """Whether the installed ``TopKRouter.apply_z_loss`` records ``z_loss`` without groups (its
+    code passes no ``avg_group``); ``False`` when the router cannot be read."""
     try:
         apply_z_loss = importlib.import_module(_ROUTER).TopKRouter.apply_z_loss
     except (ImportError, AttributeError):
-        return _CANONICAL
-    if getattr(apply_z_loss, "__code__", None) is None or "avg_group" in _keywords_passed(
-        apply_z_loss
-    ):
-        return _CANONICAL
-    return {**_CANONICAL, _Z_LOSS_NAME: (None, None, True)}
+        return False
+    if getattr(apply_z_loss, "__code__", None) is None:
+        return False
+    return "avg_group" not in _keywords_passed(apply_z_loss)
 
 
-def _keywords_passed(function: Any) -> set[str]:
+def _keywords_passed(function: Any) -> set[str]:  # only: 0.13-0.18, dev
     """The keyword argument names ``function``'s own calls pass (from its code object: CPython
     keeps each call's keyword names as a tuple constant); empty for a non-Python function."""
     code = getattr(function, "__code__", None)
@@ -1424,17 +1434,22 @@ class _MtpLayout(NamedTuple):
 #: ``values``. 0.19-0.20 (and dev's ``save_metrics_to_tracker``) keep ``loss_values``; 0.13-0.18
 #: keep ``values``. Acceptance counts: 0.19-0.20 ``correct_values``/``total_values``; dev packs
 #: them in ``acceptance_counts`` ([2, L], with their own groups).
+_MTP_DEV, _MTP_0_19, _MTP_0_13 = (
+    "megatron-core dev",
+    "megatron-core 0.19-0.20",
+    "megatron-core 0.13-0.18",
+)
 _MTP_LAYOUTS: tuple[_MtpLayout, ...] = (
-    _MtpLayout("megatron-core dev", "loss_sums", "values", False),
-    _MtpLayout("megatron-core 0.19-0.20", "loss_values", "loss_values", True),
-    _MtpLayout("megatron-core 0.13-0.18", "values", "values", False),
+    _MtpLayout(_MTP_DEV, "loss_sums", "values", False),  # only: dev
+    _MtpLayout(_MTP_0_19, "loss_values", "loss_values", True),  # only: 0.19, main, dev
+    _MtpLayout(_MTP_0_13, "values", "values", False),  # only: 0.13-0.18
 )
 _KNOWN_MTP_LAYOUTS = ", ".join(f"{lay.marker!r} ({lay.release})" for lay in _MTP_LAYOUTS)
 #: The helper's methods that reduce a layout, in ``track_mtp_metrics``' order, per release.
 _MTP_REDUCERS: dict[str, tuple[str, ...]] = {
-    "megatron-core dev": ("reduce_loss_in_tracker", "reduce_metrics_in_tracker"),
-    "megatron-core 0.19-0.20": ("reduce_metrics_in_tracker",),
-    "megatron-core 0.13-0.18": ("reduce_loss_in_tracker",),
+    _MTP_DEV: ("reduce_loss_in_tracker", "reduce_metrics_in_tracker"),  # only: dev
+    _MTP_0_19: ("reduce_metrics_in_tracker",),  # only: 0.19, main, dev
+    _MTP_0_13: ("reduce_loss_in_tracker",),  # only: 0.13-0.18
 }
 #: The helper's method that cleans a layout, by the key that marks it: what the writing
 #: release's ``track_mtp_metrics`` calls after logging (dev's training path:
@@ -1442,19 +1457,19 @@ _MTP_REDUCERS: dict[str, tuple[str, ...]] = {
 #: ``clean_metrics_in_tracker``; 0.13-0.18, which have no ``clean_metrics_in_tracker``:
 #: ``clean_loss_in_tracker``).
 _MTP_CLEANERS: dict[str, str] = {
-    "loss_sums": "clean_loss_in_tracker",
-    "loss_values": "clean_metrics_in_tracker",
-    "values": "clean_loss_in_tracker",
+    "loss_sums": "clean_loss_in_tracker",  # only: dev
+    "loss_values": "clean_metrics_in_tracker",  # only: 0.19, main, dev
+    "values": "clean_loss_in_tracker",  # only: 0.13-0.18
 }
 #: The tensors a clean zeroes (every release's clean zeroes those of its layout).
 _MTP_CLEANED = (
-    "loss_sums",
-    "num_tokens",
-    "values",
-    "loss_values",
-    "correct_values",
-    "total_values",
-    "acceptance_counts",
+    "loss_sums",  # only: dev
+    "num_tokens",  # only: dev
+    "values",  # only: 0.13-0.18, dev
+    "loss_values",  # only: 0.19, main, dev
+    "correct_values",  # only: 0.19, main
+    "total_values",  # only: 0.19, main
+    "acceptance_counts",  # only: dev
 )
 #: Every key a layout above may hold: the tensors, their groups, and Megatron's bookkeeping
 #: (``track_mtp_metrics``' process-local cumulative counts, dev's mode flags).
@@ -1463,13 +1478,13 @@ _MTP_KEYS = frozenset(
         *_MTP_CLEANED,
         "reduce_group",
         "avg_group",
-        "calculate_per_token_loss",
-        "acceptance_reduce_group",
-        "acceptance_avg_group",
-        "acceptance_collection_enabled",
-        "cumulative_correct_values",
-        "cumulative_total_values",
-        "cumulative_acceptance_counts",
+        "calculate_per_token_loss",  # only: dev
+        "acceptance_reduce_group",  # only: dev
+        "acceptance_avg_group",  # only: dev
+        "acceptance_collection_enabled",  # only: dev
+        "cumulative_correct_values",  # only: 0.19, main
+        "cumulative_total_values",  # only: 0.19, main
+        "cumulative_acceptance_counts",  # only: dev
     )
 )
 
@@ -1477,7 +1492,9 @@ _MTP_KEYS = frozenset(
 def _writer_release(tracker: dict[str, Any], layout: _MtpLayout) -> str:
     """The release whose helper wrote ``tracker``: its layout's, except that dev packs the
     counts of its 0.19-style ``save_metrics_to_tracker`` in ``acceptance_counts`` too."""
-    return _MTP_LAYOUTS[0].release if "acceptance_counts" in tracker else layout.release
+    if "acceptance_counts" in tracker:  # only: dev
+        return _MTP_DEV
+    return layout.release
 
 
 def _installed_mtp_release() -> str:
@@ -1490,13 +1507,13 @@ def _installed_mtp_release() -> str:
     except (TypeError, ValueError):
         per_token = False
     if per_token:
-        return _MTP_LAYOUTS[0].release
+        return _MTP_DEV
     if hasattr(MTPLossLoggingHelper, "save_metrics_to_tracker"):
-        return _MTP_LAYOUTS[1].release
-    return _MTP_LAYOUTS[2].release
+        return _MTP_0_19
+    return _MTP_0_13
 
 
-def _reduce_mtp_tracker(tracker: dict[str, Any], distributed: bool) -> None:
+def _reduce_mtp_tracker(tracker: dict[str, Any], distributed: bool) -> None:  # only: dev
     """Reduce a tracker of a layout the installed helper does not write, in place, as the helper
     of the release that wrote it does (``track_mtp_metrics``' order); without
     ``torch.distributed`` only the local derivation.
@@ -1546,7 +1563,7 @@ def _reduce_mtp_tracker(tracker: dict[str, Any], distributed: bool) -> None:
             reduce(tracker[key], ("reduce_group", sum_), ("avg_group", sum_))
 
 
-def _clean_mtp_tracker(tracker: dict[str, Any]) -> None:
+def _clean_mtp_tracker(tracker: dict[str, Any]) -> None:  # only: dev
     """Clean the tracker as every release's clean does for its own layout: its loss and count
     tensors zeroed, ``reduce_group`` and ``avg_group`` set to ``None``."""
     for key in _MTP_CLEANED:
@@ -1554,3 +1571,12 @@ def _clean_mtp_tracker(tracker: dict[str, Any]) -> None:
             tracker[key].zero_()
     tracker["reduce_group"] = None
     tracker["avg_group"] = None
+
+
+# A cut for one release (`pipemetrics vendor --megatron-core X.Y`) keeps its release's layouts.
+if _installed_mtp_release() not in _MTP_REDUCERS:
+    raise UnsupportedMegatronCoreError(
+        f"this copy of the pipemetrics reference reads the MTP tracker of {_KNOWN_MTP_LAYOUTS} "
+        f"only; the installed megatron-core's MTPLossLoggingHelper writes that of "
+        f"{_installed_mtp_release()}: vendor the full reference (`pipemetrics vendor DEST`)"
+    )

@@ -3,7 +3,10 @@
 
 The vendored copy is written to a temp dir (never under the repo), imported from there by path,
 run in a real gloo world by the simulator (first stage without MoE, the case that hangs naive
-copies), and checked by ``pipemetrics check --impl`` in a subprocess with a hard timeout.
+copies). ``pipemetrics check --impl`` (in a subprocess with a hard timeout) checks the copy cut
+for the installed release (``vendor --megatron-core X.Y``; on every release leg its own cut), or
+the full copy where the installed megatron-core is a git snapshot, which has no cut (the full
+copy's text is the reference's, which CI's main job checks in full).
 """
 
 from __future__ import annotations
@@ -14,15 +17,17 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
 
 from pipemetrics.commands.cli import main as cli_main
 from pipemetrics.properties import vendor as vendor_module
-from pipemetrics.properties.vendor import reference_path
+from pipemetrics.properties.vendor import reference_path, release_of
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.reference import megatron_common as mc
+from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.model.scenario import Scenario, Step
@@ -143,7 +148,7 @@ def test_check_detects_a_one_character_edit(
     lines = text.splitlines(keepends=True)
     line = {
         "body": next(i for i, t in enumerate(lines, 1) if t.startswith("def get_moe_metrics(")),
-        "last": len(lines),
+        "last": max(i for i, t in enumerate(lines, 1) if any(c.isalnum() for c in t)),
         "first": 1,
         "digest": 2,
         "regenerate": next(
@@ -240,6 +245,61 @@ def vendored(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def installed_release() -> str | None:
+    """The cut release of the installed megatron-core; ``None`` for a git snapshot (main calls
+    itself 0.20.0, which has no cut; dev 0.19.0, but writes its own MTP layout)."""
+    if installed_mtp_layout() == "loss_sums":
+        return None
+    try:
+        return release_of(version("megatron-core"))
+    except ValueError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory: pytest.TempPathFactory, vendored: Path) -> Path:
+    """What `test_check_passes_on_the_vendored_copy` checks: the installed release's cut, else
+    the full copy."""
+    release = installed_release()
+    if release is None:
+        return vendored
+    directory = tmp_path_factory.mktemp("cut")
+    before = Path.cwd()
+    os.chdir(directory)
+    try:
+        assert cli_main(["vendor", "megatron_common.py", "--megatron-core", release]) == 0
+    finally:
+        os.chdir(before)
+    return directory / "megatron_common.py"
+
+
+def test_the_installed_release_has_its_cut() -> None:
+    """Every PyPI release the suite runs on has a cut (`checked` is one there)."""
+    release = installed_release()
+    if installed_mtp_layout() != "loss_sums" and not version("megatron-core").startswith("0.20"):
+        assert release == ".".join(version("megatron-core").split(".")[:2])
+
+
+def test_the_cut_imports_by_path_and_refuses_another_release(
+    checked: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = importlib.util.spec_from_file_location("vendored_cut", checked)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._round_up_to_multiple(5, 4) == 8
+    if installed_release() is None:
+        return
+    # the installed MTP helper made to look like another release's: the cut refuses it at import
+    helper = mc.MTPLossLoggingHelper
+    if installed_release() == "0.19":
+        monkeypatch.delattr(helper, "save_metrics_to_tracker")  # 0.13-0.18's helper
+    else:
+        monkeypatch.setattr(helper, "save_metrics_to_tracker", lambda: None, raising=False)
+    with pytest.raises(ImportError, match=r"vendor the full reference \(`pipemetrics vendor"):
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
 def test_vendored_file_imports_by_path(vendored: Path) -> None:
     spec = importlib.util.spec_from_file_location("vendored_megatron_common", vendored)
     assert spec is not None and spec.loader is not None
@@ -278,11 +338,11 @@ def test_vendored_file_runs_in_a_real_world(pool: TrackingPool, vendored: Path) 
     assert run.collectives_released > 0
 
 
-def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path, bounds: Bounds) -> None:
+def test_check_passes_on_the_vendored_copy(checked: Path, tmp_path: Path, bounds: Bounds) -> None:
     report = tmp_path / "report.json"
     proc = run_bounded(
         [
-            *CLI, "check", "--impl", str(vendored), "--max-examples", "3", "--seed", "1",
+            *CLI, "check", "--impl", str(checked), "--max-examples", "3", "--seed", "1",
             "--json", str(report), "--report-dir", str(tmp_path / "pipemetrics-report"),
         ],
         cwd=tmp_path,
@@ -293,5 +353,5 @@ def test_check_passes_on_the_vendored_copy(vendored: Path, tmp_path: Path, bound
     failed = {p["id"]: p["message"] for p in data["properties"] if p["status"] != "pass"}
     assert not failed, f"{failed}\n{proc.stdout[-4000:]}"
     assert data["conformant"] is True
-    assert data["target"] == str(vendored)
+    assert data["target"] == str(checked)
     assert proc.returncode == 0, proc.stdout[-4000:]

@@ -1,0 +1,201 @@
+"""``pipemetrics vendor DEST --megatron-core X.Y``: the reference cut for one release (without the
+parts marked ``# only: ...`` for other releases), and ``vendor --check`` on such a cut. Static:
+no cut is imported here (``tests/test_vendor.py`` runs ``check`` on the installed release's cut).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from pipemetrics.commands.cli import main as cli_main
+from pipemetrics.properties import vendor as vendor_module
+from pipemetrics.properties.vendor import (
+    CUT_RELEASES,
+    cut_source,
+    marker_releases,
+    reference_path,
+    release_of,
+)
+
+#: Runs with megatron-core unreachable (ci/test.sh); the oldest release's leg leaves it out.
+pytestmark = pytest.mark.release_independent
+
+REPO = Path(__file__).resolve().parents[1]
+#: What each cut saves at least, in lines against the full file (measured 2026-12-07: 0.13-0.17
+#: 86, 0.18 249, 0.19 269).
+SHORTER_BY = {"0.18": 240, "0.19": 260} | {r: 80 for r in CUT_RELEASES[:5]}
+API = ("_round_up_to_multiple", "broadcast_tensor", "get_aux_loss_track_names", "get_moe_metrics",
+       "get_mtp_metrics")  # fmt: skip
+
+
+def run_vendor(cwd: Path, *args: str) -> int:
+    before = Path.cwd()
+    os.chdir(cwd)
+    try:
+        return cli_main(["vendor", *args])
+    finally:
+        os.chdir(before)
+
+
+def test_every_cut_parses_and_is_shorter(tmp_path: Path) -> None:
+    """Each release's cut: valid Python defining the five functions, nothing marked for other
+    releases only left in it, its tested range narrowed, and at least `SHORTER_BY` lines
+    shorter than the full file as `vendor` writes it by default."""
+    assert run_vendor(tmp_path, "full.py") == 0
+    full = (tmp_path / "full.py").read_text(encoding="utf-8").splitlines()
+    for release in CUT_RELEASES:
+        name = f"cut_{release.replace('.', '_')}.py"
+        assert run_vendor(tmp_path, name, "--megatron-core", release) == 0
+        text = (tmp_path / name).read_text(encoding="utf-8")
+        tree = ast.parse(text)
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert set(API) <= defined, release
+        lines = text.splitlines()
+        assert len(full) - len(lines) >= SHORTER_BY[release], (release, len(full), len(lines))
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.COMMENT and token.string.startswith("# only:"):
+                spec = token.string.removeprefix("# only:").split("(")[0]
+                assert release in marker_releases(spec), (release, token.line)
+        major, minor = release.split(".")
+        assert f'SUPPORTED_MEGATRON_CORE = ">={release},<{major}.{int(minor) + 1}"' in text
+        assert f"# Cut for megatron-core {release}: " in text
+        assert f"pipemetrics vendor {name} --megatron-core {release}\n" in text
+
+
+def test_cuts_are_lint_clean(tmp_path: Path) -> None:
+    """``ruff check`` and ``ruff format --check`` with the project's settings pass every cut (the
+    full file is linted by ci/lint.sh; mypy --strict on the cuts was run by hand)."""
+    pytest.importorskip("ruff")
+    source = reference_path().read_text(encoding="utf-8")
+    paths = []
+    for release in CUT_RELEASES:
+        path = tmp_path / f"cut_{release.replace('.', '_')}.py"
+        path.write_text(cut_source(source, release), encoding="utf-8")
+        paths.append(str(path))
+    config = ["--config", str(REPO / "pyproject.toml")]
+    for command in (["check", "--no-cache"], ["format", "--check", "--no-cache"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "ruff", *command, *config, *paths],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _nox_releases() -> list[str]:
+    """ci/noxfile.py's MEGATRON_CORE, read without executing the noxfile."""
+    tree = ast.parse((REPO / "ci" / "noxfile.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MEGATRON_CORE" for t in node.targets
+        ):
+            return [str(v) for v in ast.literal_eval(node.value)]
+    raise AssertionError("ci/noxfile.py has no MEGATRON_CORE")
+
+
+@pytest.mark.parametrize("version", _nox_releases())
+def test_each_release_leg_has_its_cut(tmp_path: Path, version: str) -> None:
+    """Every release the nox legs install has a cut, and naming the leg's full version (what
+    `tests/test_vendor.py` does on that leg) writes the same file as naming its minor release."""
+    release = release_of(version)
+    assert release == ".".join(version.split(".")[:2])
+    assert run_vendor(tmp_path, "a.py", "--megatron-core", version) == 0
+    assert run_vendor(tmp_path, "b.py", "--megatron-core", release) == 0
+    a = (tmp_path / "a.py").read_text(encoding="utf-8").replace("vendor a.py", "vendor b.py")
+    a = a.replace("--check a.py", "--check b.py").replace("--impl a.py", "--impl b.py")
+    assert a == (tmp_path / "b.py").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("value", ["0.12", "0.20", "main", "dev", "latest"])
+def test_an_unknown_release_is_refused_naming_the_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    assert run_vendor(tmp_path, "c.py", "--megatron-core", value) == 2
+    err = capsys.readouterr().err
+    assert f"--megatron-core {value}: no cut for this release" in err
+    assert ", ".join(CUT_RELEASES) in err
+    assert not (tmp_path / "c.py").exists()
+
+
+def test_check_accepts_a_cut_and_detects_its_drift(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_vendor(tmp_path, "c.py", "--megatron-core", "0.19") == 0
+    capsys.readouterr()
+    assert run_vendor(tmp_path, "--check", "c.py") == 0
+    out = capsys.readouterr().out
+    assert out.startswith("c.py: up to date (pipemetrics ") and "cut for megatron-core 0.19" in out
+    path = tmp_path / "c.py"
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    number = next(i for i, t in enumerate(lines, 1) if t.startswith("def _sync("))
+    lines[number - 1] = lines[number - 1].replace("_sync", "_synk")
+    path.write_text("".join(lines), encoding="utf-8")
+    assert run_vendor(tmp_path, "--check", "c.py") == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"c.py:{number}: drift: the reference text was edited"), err
+    # the release dropped from the regenerate line: still a cut (its "Cut for" line), drifted
+    path.write_text(text.replace(" --megatron-core 0.19\n", "\n"), encoding="utf-8")
+    assert run_vendor(tmp_path, "--check", "c.py") == 1
+    assert "the header was edited (the reference text is intact)" in capsys.readouterr().err
+    assert run_vendor(tmp_path, "--check", "c.py", "--megatron-core", "0.19") == 2
+
+
+def test_a_marker_naming_an_unknown_release_is_refused() -> None:
+    source = reference_path().read_text(encoding="utf-8")
+    with pytest.raises(ValueError, match=r"unknown megatron-core release '0\.12-0\.17'"):
+        cut_source(source.replace("# only: 0.13-0.17", "# only: 0.12-0.17", 1), "0.19")
+    assert marker_releases("0.13-0.15, dev") == {"0.13", "0.14", "0.15", "dev"}
+    assert vendor_module.SNAPSHOTS == ("main", "dev")
+    with pytest.raises(ValueError, match="no cut for megatron-core main"):
+        cut_source(source, "main")
+
+
+TOY = """SUPPORTED_MEGATRON_CORE = ">=0.13,<0.21"
+_SUPPORTED_MIN = (0, 13)
+_SUPPORTED_END = (0, 21)
+X = 1 if SUPPORTED_MEGATRON_CORE else 2
+KEYS = (
+    "a",
+    "b",  # only: dev
+)
+
+
+@staticmethod
+def old() -> int:  # only: 0.13-0.17
+    return 0
+
+
+def f(a: int) -> int:
+    y = a if a else 0
+    if y:
+        return 1
+    else:  # only: dev
+        return 2
+    return 3
+
+
+# ------------------------------------------------ legacy (only: 0.13-0.14)
+
+LEGACY = 1
+"""
+
+
+def test_what_each_kind_of_marker_drops() -> None:
+    """A statement with its decorators, an ``else:`` clause (beside conditional expressions),
+    an element of a literal, a section; kept where the SPEC names the release."""
+    cut = cut_source(TOY, "0.19")
+    assert "def old" not in cut and "@staticmethod" not in cut
+    assert "return 2" not in cut and "else:" not in cut and "return 3" in cut
+    assert '"b"' not in cut and '"a"' in cut and "LEGACY" not in cut
+    assert 'SUPPORTED_MEGATRON_CORE = ">=0.19,<0.20"' in cut
+    assert "\n\n\n\n" not in cut
+    kept = cut_source(TOY, "0.13")
+    assert "def old" in kept and "LEGACY = 1" in kept and "return 2" not in kept
