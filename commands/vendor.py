@@ -2,7 +2,7 @@
 (``--megatron-core X.Y``: its cut for that release);
 ``pipemetrics vendor --check FILE``: whether such a file (full or cut) is still what ``vendor``
 writes (exit 0 identical, 1 drift, 2 unreadable or not a vendored copy). The file, its cuts and
-its header are `pipemetrics.properties.vendor`'s.
+its header are `pipemetrics.commands.vendor_text`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from pipemetrics.commands.subcommand import Subcommand
-from pipemetrics.properties.vendor import (
+from pipemetrics.commands.vendor_text import (
     CUT_RELEASES,
     VendoredHeader,
     first_difference,

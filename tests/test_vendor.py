@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands import vendor_text as vendor_module
 from pipemetrics.commands.cli import main as cli_main
-from pipemetrics.properties import vendor as vendor_module
-from pipemetrics.properties.vendor import reference_path, release_of
+from pipemetrics.commands.vendor_text import reference_path, release_of
 from pipemetrics.properties.verdict import judge_run
 from pipemetrics.reference import megatron_common as mc
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.commands import vendor_text as vendor_module
 from pipemetrics.commands.cli import main as cli_main
-from pipemetrics.properties import vendor as vendor_module
-from pipemetrics.properties.vendor import (
+from pipemetrics.commands.vendor_text import (
     CUT_RELEASES,
     cut_source,
     marker_releases,
