@@ -1,0 +1,236 @@
+"""The target's own lines: where, in the adopter's own files, a rank entered a collective, raised,
+or returned from the call under test.
+
+A verdict names where each blocked rank stood inside megatron-core or torch (``call_site``); the
+adopter needs the line of *their* code too. The target's files (`TargetFiles`) are the module file
+the target was loaded from, or, for a package, every file under the package's directory (the
+built-in reference: ``reference/``). Three lines are kept, as ``path:line in function`` sites:
+
+* entered: the innermost frame of the target's files on the stack of a collective
+  (`OwnLines.innermost`, at the collective's description, walking the frames only);
+* raised: the innermost frame of the target's files in an exception's traceback
+  (`OwnLines.raised_at`);
+* returned: the line of the target's function the call returned from (`OwnLines.returning`):
+  ``sys.monitoring`` ``PY_RETURN`` events enabled only on the target's own code objects (local
+  events, nothing else of the interpreter is instrumented). Where the function returned a call of
+  another target function on the same line (``return _impl(...)``, the same object), the line is
+  that function's, innermost first.
+
+One `OwnLines` serves one process (every rank of the in-process tier shares its host's): events
+are told apart by frame, never by rank, so ranks in greenlets cannot mix their lines.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
+from typing import Any
+from weakref import WeakSet
+
+TOOL_NAME = "pipemetrics.own_lines"
+FREE_TOOL_IDS = (3, 4)
+"""``sys.monitoring`` tool ids no well-known tool claims (0 debugger, 1 coverage, 2 profiler, 5
+optimizer); without a free one, no returned line is kept (entered and raised still are)."""
+MAX_WALK = 64
+"""Frames walked outwards from a collective to the target's innermost frame."""
+_MAX_PENDING = 4096
+"""Chains kept for frames still running (a frame unwound by an exception leaves its entry)."""
+
+
+def site(frame: FrameType) -> str:
+    """``path:line in function`` of a frame, as `pipemetrics.sim.collectives.interpose.call_site`
+    writes its frames."""
+    code = frame.f_code
+    return f"{code.co_filename.replace(os.sep, '/')}:{frame.f_lineno} in {code.co_name}"
+
+
+class TargetFiles:
+    """Which source files are the target's: its module file, or a package's whole directory."""
+
+    def __init__(self, files: frozenset[str], directories: tuple[str, ...] = ()) -> None:
+        self.files = files
+        self.directories = directories
+        self._known: dict[str, bool] = {}
+
+    @classmethod
+    def of(cls, module: ModuleType) -> TargetFiles:
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str):
+            return cls(frozenset())
+        if getattr(module, "__path__", None) is not None:  # a package: every file under it
+            return cls(frozenset(), (os.path.dirname(path) + os.sep,))
+        return cls(frozenset({path}))
+
+    def __contains__(self, filename: str) -> bool:
+        known = self._known.get(filename)
+        if known is None:
+            known = filename in self.files or filename.startswith(self.directories)
+            self._known[filename] = known
+        return known
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, TargetFiles)
+            and (self.files, self.directories) == (other.files, other.directories)
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.files, self.directories))
+
+
+def _functions(namespace: dict[str, Any], depth: int = 0) -> Iterator[FunctionType]:
+    """The functions of a module or class namespace, methods of its classes included."""
+    for value in list(namespace.values()):
+        if isinstance(value, staticmethod | classmethod):
+            value = value.__func__
+        if isinstance(value, FunctionType):
+            yield value
+        elif isinstance(value, property):
+            yield from (f for f in (value.fget, value.fset) if isinstance(f, FunctionType))
+        elif isinstance(value, type) and depth < 2:
+            yield from _functions(dict(vars(value)), depth + 1)
+
+
+def code_objects(module: ModuleType, files: TargetFiles) -> list[CodeType]:
+    """Every code object of the target's functions: the module's, its classes', those of the
+    modules its functions were defined in (a package's submodules), and every function nested in
+    them; only those whose file is one of the target's."""
+    found: dict[int, CodeType] = {}
+    namespaces = [vars(module)]
+    walked = {id(vars(module))}
+    while namespaces:
+        for function in _functions(namespaces.pop()):
+            defined_in = function.__globals__
+            path = defined_in.get("__file__")
+            if id(defined_in) not in walked and isinstance(path, str) and path in files:
+                walked.add(id(defined_in))
+                namespaces.append(defined_in)
+            stack = [function.__code__]
+            while stack:
+                code = stack.pop()
+                if id(code) in found or code.co_filename not in files:
+                    continue
+                found[id(code)] = code
+                stack += [c for c in code.co_consts if isinstance(c, CodeType)]
+    return list(found.values())
+
+
+class OwnLines:
+    """The target's own lines of one process's calls (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.files = TargetFiles(frozenset())
+        self._pending: dict[int, tuple[tuple[str, ...], int, object]] = {}
+        """Per running frame (its id): the outermost-first chain of sites of the target function
+        that last returned to it, the frame's line then, and the value it returned."""
+        self._instrumented: WeakSet[CodeType] = WeakSet()
+        self._tool: int | None = None
+
+    # -- which code is the target's -------------------------------------------------------------
+
+    def follow(self, module: ModuleType) -> None:
+        """The target of the current task is ``module`` (loaded afresh: new code objects)."""
+        files = TargetFiles.of(module)
+        if files != self.files:
+            self.files = files
+        tool = self._claim()
+        if tool is None:
+            return
+        monitoring = sys.monitoring
+        for code in code_objects(module, self.files):
+            if code not in self._instrumented:
+                monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
+                self._instrumented.add(code)
+
+    def _claim(self) -> int | None:
+        """The tool id whose ``PY_RETURN`` callback is this object's (claimed once)."""
+        monitoring = sys.monitoring
+        if self._tool is not None and monitoring.get_tool(self._tool) == TOOL_NAME:
+            return self._tool
+        for tool in FREE_TOOL_IDS:
+            owner = monitoring.get_tool(tool)
+            if owner is None:
+                monitoring.use_tool_id(tool, TOOL_NAME)
+            elif owner != TOOL_NAME:
+                continue
+            monitoring.register_callback(tool, monitoring.events.PY_RETURN, self._on_return)
+            self._tool = tool
+            self._instrumented = WeakSet()  # another object's registration: instrument anew
+            return tool
+        return None
+
+    def close(self) -> None:
+        """Give the tool id back (its local events go with it)."""
+        monitoring = sys.monitoring
+        if self._tool is not None and monitoring.get_tool(self._tool) == TOOL_NAME:
+            monitoring.register_callback(self._tool, monitoring.events.PY_RETURN, None)
+            monitoring.free_tool_id(self._tool)
+        self._tool = None
+        self._instrumented = WeakSet()
+
+    # -- the three lines ------------------------------------------------------------------------
+
+    def innermost(self, frame: FrameType | None) -> str | None:
+        """The innermost frame of the target's files from ``frame`` outwards."""
+        files = self.files
+        for _ in range(MAX_WALK):
+            if frame is None:
+                return None
+            if frame.f_code.co_filename in files:
+                return site(frame)
+            frame = frame.f_back
+        return None
+
+    def raised_at(self, traceback: TracebackType | None) -> str | None:
+        """The innermost frame of the target's files in ``traceback``."""
+        found = None
+        files = self.files
+        while traceback is not None:
+            code = traceback.tb_frame.f_code
+            if code.co_filename in files:
+                path = code.co_filename.replace(os.sep, "/")
+                found = f"{path}:{traceback.tb_lineno} in {code.co_name}"
+            traceback = traceback.tb_next
+        return found
+
+    def returning[T](self, call: Callable[[], T]) -> tuple[T, str | None]:
+        """``call()``, and the line of the target it returned from (innermost; None when no
+        target code returned to this frame: the function is not the target's, or no tool id)."""
+        here = id(sys._getframe())
+        try:
+            value = call()
+            chain = self._pending.pop(here, None)
+        finally:
+            self._pending.pop(here, None)
+        return value, chain[0][-1] if chain is not None else None
+
+    def _on_return(self, code: CodeType, offset: int, value: object) -> None:
+        frame = sys._getframe(1)
+        line = site(frame)
+        below = self._pending.pop(id(frame), None)
+        chain: tuple[str, ...] = (line,)
+        if below is not None and below[1] == frame.f_lineno and below[2] is value:
+            chain = (line, *below[0])  # ``return helper(...)``: helper's line is the one
+        parent = frame.f_back
+        files = self.files
+        returning = _RETURNING
+        for _ in range(MAX_WALK):
+            if parent is None:
+                return
+            if parent.f_code is returning or parent.f_code.co_filename in files:
+                break
+            parent = parent.f_back
+        else:
+            return
+        if len(self._pending) > _MAX_PENDING:
+            self._pending.clear()
+        caller_line = parent.f_lineno if parent.f_code is not returning else -1
+        self._pending[id(parent)] = (chain, caller_line, value)
+
+
+_RETURNING = OwnLines.returning.__code__
+
+
+__all__ = ["OwnLines", "TargetFiles", "code_objects", "site"]
