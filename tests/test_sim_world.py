@@ -377,6 +377,11 @@ def test_replay_cli_reproduces_an_outcome(tmp_path: Path, bounds: Bounds) -> Non
     assert "outcome: deadlock" in result.stdout
     replayed = json.loads(out.read_text())
     assert replayed["run"]["outcome"]["kind"] == "deadlock" and not replayed["passed"]
+    # the target's own lines: rank 0 raised at line 5, rank 1 entered the all_reduce at line 6
+    assert f"rank 0: raised RuntimeError at {target}:5 in get_moe_metrics" in result.stdout
+    own = replayed["target_lines"]
+    assert (own["0"]["state"], own["0"]["line"]) == ("raised", 5), own
+    assert (own["1"]["state"], own["1"]["line"], own["1"]["file"]) == ("blocked", 6, str(target))
     fixed = subprocess.run(
         [
             sys.executable,

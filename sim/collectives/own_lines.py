@@ -23,11 +23,16 @@ are told apart by frame, never by rank, so ranks in greenlets cannot mix their l
 from __future__ import annotations
 
 import os
+import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
-from typing import Any
+from typing import Any, Literal
 from weakref import WeakSet
+
+from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.collectives.protocol import Done
+from pipemetrics.sim.model.layout import Frozen
 
 TOOL_NAME = "pipemetrics.own_lines"
 FREE_TOOL_IDS = (3, 4)
@@ -233,4 +238,133 @@ class OwnLines:
 _RETURNING = OwnLines.returning.__code__
 
 
-__all__ = ["OwnLines", "TargetFiles", "code_objects", "site"]
+# -- a run's lines, per rank ----------------------------------------------------------------------
+
+State = Literal["blocked", "raised", "returned", "died", "running"]
+HEADING = "the target's own lines (where each rank was in the target's files):"
+"""The heading of `lines_text`'s block, which `parse_lines` finds again."""
+_SITE = re.compile(r"^(?P<file>.+):(?P<line>\d+) in (?P<function>\S+)$")
+_TEXT = re.compile(
+    r"^(?:(?P<blocked>blocked) in (?P<op>\S+)|(?P<raised>raised) (?P<error>\S+)|"
+    r"(?P<returned>returned))(?: (?:at|from) (?P<site>.+?))?(?P<unknown> \(no line of the target\))?$"
+)
+
+
+class TargetLine(Frozen):
+    """One rank's own line of the target when a run ended: blocked in a collective it entered
+    at ``site``, raised at ``site``, returned from ``site``; died or still running (no site)."""
+
+    state: State
+    site: str | None = None
+    """``path:line in function`` in the target's files; None where none is known."""
+    what: str | None = None
+    """Blocked: the collective (``all_reduce``); raised: the exception's type."""
+
+    def text(self) -> str:
+        if self.state == "blocked":
+            head = f"blocked in {self.what}"
+        elif self.state == "raised":
+            head = f"raised {self.what}"
+        else:
+            head = self.state
+        if self.state in ("died", "running"):
+            return head
+        if self.site is None:
+            return f"{head} (no line of the target)"
+        return f"{head} {'from' if self.state == 'returned' else 'at'} {self.site}"
+
+    @classmethod
+    def parse(cls, text: str) -> TargetLine | None:
+        """`text` read back (None: not one)."""
+        if text in ("died", "running"):
+            return cls(state=text)  # type: ignore[arg-type]
+        match = _TEXT.match(text)
+        if match is None:
+            return None
+        state: State = "blocked" if match["blocked"] else "raised" if match["raised"] else "returned"
+        return cls(state=state, site=match["site"], what=match["op"] or match["error"])
+
+    def as_json(self) -> dict[str, Any]:
+        """``state``, ``site`` and its ``file``, ``line``, ``function`` (null where unknown),
+        ``what`` (the collective, the exception's type, or null)."""
+        found = _SITE.match(self.site) if self.site is not None else None
+        return {
+            "state": self.state,
+            "file": found["file"] if found else None,
+            "line": int(found["line"]) if found else None,
+            "function": found["function"] if found else None,
+            "site": self.site,
+            "what": self.what,
+        }
+
+
+def target_lines(outcome: Outcome, dones: Mapping[int, Done | None]) -> dict[int, TargetLine]:
+    """Each rank's own line of the target when the run ended, for a run whose world did not end
+    ``ok`` or one of whose ranks raised; empty otherwise (nothing to point at)."""
+    raised = any(
+        d is not None and d.reports and d.reports[-1].error is not None for d in dones.values()
+    )
+    if outcome.kind == "ok" and not raised:
+        return {}
+    ranks = set(dones) | set(outcome.pending) | set(outcome.crashed) | set(outcome.running)
+    lines: dict[int, TargetLine] = {}
+    for rank in sorted(ranks | set(outcome.finished)):
+        call = outcome.pending.get(rank)
+        done = dones.get(rank)
+        if call is not None:
+            lines[rank] = TargetLine(state="blocked", site=call.target_site, what=call.op)
+        elif rank in outcome.crashed or (outcome.kind == "crash" and done is None):
+            lines[rank] = TargetLine(state="died")
+        elif rank in outcome.running:
+            lines[rank] = TargetLine(state="running")
+        elif done is not None and done.reports:
+            report = done.reports[-1]
+            if report.error is not None:
+                lines[rank] = TargetLine(
+                    state="raised", site=report.error.target_site, what=report.error.type
+                )
+            else:
+                lines[rank] = TargetLine(state="returned", site=report.returned_from)
+    return lines
+
+
+def lines_text(lines: Mapping[int, TargetLine]) -> list[str]:
+    """The block of a write-up: `HEADING`, then ``  rank N: ...`` per rank (none: no lines)."""
+    if not lines:
+        return []
+    return [HEADING, *(f"  rank {rank}: {line.text()}" for rank, line in sorted(lines.items()))]
+
+
+def parse_lines(text: str | None) -> dict[int, TargetLine]:
+    """The lines of `lines_text`'s block inside ``text`` (a failure's write-up), read back."""
+    if not text or HEADING not in text:
+        return {}
+    lines: dict[int, TargetLine] = {}
+    for row in text.split(HEADING, 1)[1].splitlines()[1:]:
+        head, sep, rest = row.partition(": ")
+        if not sep or not head.startswith("  rank ") or not head[7:].isdigit():
+            break
+        line = TargetLine.parse(rest)
+        if line is None:
+            break
+        lines[int(head[7:])] = line
+    return lines
+
+
+def lines_json(lines: Mapping[int, TargetLine]) -> dict[str, dict[str, Any]]:
+    """The JSON reports' ``target_lines``: rank (a string) -> `TargetLine.as_json`."""
+    return {str(rank): line.as_json() for rank, line in sorted(lines.items())}
+
+
+__all__ = [
+    "HEADING",
+    "OwnLines",
+    "TargetFiles",
+    "TargetLine",
+    "code_objects",
+    "lines_json",
+    "lines_text",
+    "parse_lines",
+    "site",
+    "target_lines",
+]
