@@ -1,14 +1,12 @@
-"""The adopter's own line in every verdict: for a hang of a one-bug copy of the reference
-(`tests/broken`), the failure write-up, the JSON report, the layout picture and the replay's
-account name the copy's own file and line for the blocked rank and for the one that returned, on
-both tiers; and the pieces of `pipemetrics.sim.collectives.own_lines` without a world.
-
-Each world run is bounded by its scenario's deadline (``scenario_for``: 30 s)."""
+"""The pieces of `pipemetrics.sim.collectives.own_lines`, without a world: the returned line, the
+raised line, a package target's files, the write-up's block read back. A world's own lines, for
+a hang of a `tests/broken` copy: `tests/test_sim_world.py` (the write-up, the JSON report, the
+picture and the replay's account, process tier), `tests/test_inprocess.py` (the in-process
+tier), `tests/test_properties_report.py` (``pipemetrics check``)."""
 
 from __future__ import annotations
 
 import importlib.util
-import io
 import sys
 import textwrap
 from pathlib import Path
@@ -16,8 +14,6 @@ from types import ModuleType
 
 import pytest
 
-from pipemetrics.properties.engine import PropertyResult
-from pipemetrics.properties.report import print_failures, report_json
 from pipemetrics.sim.collectives.own_lines import (
     OwnLines,
     TargetFiles,
@@ -28,82 +24,26 @@ from pipemetrics.sim.collectives.own_lines import (
     parse_lines,
 )
 from pipemetrics.sim.mcore import installed_features
-from pipemetrics.sim.results.summary import layout_picture, summarize, target_lines, what_ranks_did
-from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 
-from .broken.mutants import MUTANTS, write_mutant
-from .conftest import TrackingPool
-from .test_sim_world import scenario_for
+from .broken.mutants import MUTANTS
 
-MUTANT = "moe_empty_stage_returns_early"
-"""Its defect: ``return {}`` on a stage that recorded nothing, so the other stage blocks in the
-pipeline all_reduce of the MoE reduction."""
+RETURNS_EARLY = "moe_empty_stage_returns_early"
+"""A copy whose defect is on a known line: ``return {}`` on a stage that recorded nothing, so the
+other stage blocks in the pipeline all_reduce of the MoE reduction."""
 
 
-def known_lines(path: Path) -> tuple[int, int]:
-    """(the blocked rank's line, the returned rank's line) in the copy, found in its source: the
-    ``return {}`` the mutant added, and the line of the copy's ``_sync`` that enters the pipeline
-    reduction (the tracker's own ``_sync_metrics`` on 0.18+, the all_reduce written out before)."""
+def returns_early_lines(path: Path) -> tuple[int, int]:
+    """(the blocked rank's line, the returned rank's line) in `RETURNS_EARLY`'s copy at
+    ``path``, found in its source: the line of the copy's ``_sync`` that enters the pipeline
+    reduction (the tracker's own ``_sync_metrics`` on 0.18+, the all_reduce written out
+    before), and the ``return {}`` the mutant added."""
     source = path.read_text(encoding="utf-8").splitlines()
-    (added,) = [edit[1] for edit in MUTANTS[MUTANT].edits]
-    guard = added.splitlines()[-2]
-    returned = source.index(guard) + 2  # the 1-based line after the guard: ``return {}``
+    (added,) = [edit[1] for edit in MUTANTS[RETURNS_EARLY].edits]
+    returned = source.index(added.splitlines()[-2]) + 2  # 1-based, the line after the guard
     assert source[returned - 1].strip() == "return {}"
     entered = "sync(names)" if installed_features().class_tracker else "group=pp_group)"
     (blocked,) = [i + 1 for i, text in enumerate(source) if text.strip().endswith(entered)]
     return blocked, returned
-
-
-def test_a_hang_names_the_copys_own_lines_in_the_write_up_json_and_replay(
-    pool: TrackingPool, tmp_path: Path
-) -> None:
-    path = write_mutant(MUTANT, tmp_path)
-    blocked_line, returned_line = known_lines(path)
-    blocked, returned = f"{path}:{blocked_line} in _sync", f"{path}:{returned_line} in get_moe_metrics"
-    scenario = scenario_for(path)
-    run = pool.run(scenario)
-    assert run.outcome.kind == "deadlock", run.outcome.message
-    # the failure as the engine keeps it: its write-up and its picture, made from the run
-    result = PropertyResult(
-        "moe.no_hang", "get_moe_metrics", "fail", message=run.outcome.text(),
-        details=what_ranks_did(run), picture=layout_picture(scenario, run),
-        counterexample=scenario.model_dump(mode="json"),
-    )  # fmt: skip
-    out = io.StringIO()
-    print_failures([result], out)
-    write_up = out.getvalue()
-    assert f"rank 1: blocked in all_reduce at {blocked}" in write_up, write_up
-    assert f"rank 0: returned from {returned}" in write_up, write_up
-    # the picture, clipped on the left to its width, keeps file name, line and function
-    picture = result.picture or ""
-    assert f"{path.name}:{blocked_line} in _sync" in picture, picture
-    assert "rank 0  returned from" in picture, picture
-    assert f"{path.name}:{returned_line} in get_moe_metrics" in picture, picture
-    (entry,) = report_json(str(path), "seed", [result], {})["properties"]
-    lines = entry["target_lines"]
-    assert lines["1"]["state"] == "blocked" and lines["1"]["what"] == "all_reduce", lines
-    assert (lines["1"]["file"], lines["1"]["line"]) == (str(path), blocked_line)
-    assert lines["1"]["function"] == "_sync"
-    assert lines["0"]["state"] == "returned" and lines["0"]["site"] == returned, lines
-    # the replay's account (``pipemetrics replay`` prints `summarize`) and its JSON
-    account = summarize(scenario, run)
-    assert f"rank 1: blocked in all_reduce at {blocked}" in account
-    assert f"rank 0: returned from {returned}" in account
-    assert lines_json(target_lines(run)) == lines
-
-
-@pytest.mark.skipif(inprocess_unsupported() is not None, reason=str(inprocess_unsupported()))
-def test_the_inprocess_tier_names_the_same_lines(
-    inprocess_pool: TrackingPool, tmp_path: Path
-) -> None:
-    path = write_mutant(MUTANT, tmp_path)
-    blocked, returned = known_lines(path)
-    run = inprocess_pool.run(scenario_for(path))
-    assert run.outcome.kind == "deadlock", run.outcome.message
-    assert target_lines(run) == {
-        0: TargetLine(state="returned", site=f"{path}:{returned} in get_moe_metrics"),
-        1: TargetLine(state="blocked", site=f"{path}:{blocked} in _sync", what="all_reduce"),
-    }
 
 
 HELPERS = '''

@@ -25,10 +25,10 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
 from typing import Any, Literal
-from weakref import WeakSet
 
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.protocol import Done
@@ -40,6 +40,8 @@ FREE_TOOL_IDS = (3, 4)
 optimizer); without a free one, no returned line is kept (entered and raised still are)."""
 MAX_WALK = 64
 """Frames walked outwards from a collective to the target's innermost frame."""
+_MAX_NAMESPACES = 16
+"""Namespaces whose walk is kept (a package target's submodules)."""
 _MAX_PENDING = 4096
 """Chains kept for frames still running (a frame unwound by an exception leaves its entry)."""
 
@@ -85,40 +87,63 @@ class TargetFiles:
         return hash((self.files, self.directories))
 
 
-def _functions(namespace: dict[str, Any], depth: int = 0) -> Iterator[FunctionType]:
-    """The functions of a module or class namespace, methods of its classes included."""
+def _functions(
+    namespace: dict[str, Any], files: TargetFiles, depth: int = 0
+) -> Iterator[FunctionType]:
+    """The target's functions in a module or class namespace, methods of the target's classes
+    included (classes it only imports are not walked)."""
     for value in list(namespace.values()):
         if isinstance(value, staticmethod | classmethod):
             value = value.__func__
         if isinstance(value, FunctionType):
-            yield value
+            if value.__code__.co_filename in files:
+                yield value
         elif isinstance(value, property):
-            yield from (f for f in (value.fget, value.fset) if isinstance(f, FunctionType))
+            for function in (value.fget, value.fset):
+                if isinstance(function, FunctionType) and function.__code__.co_filename in files:
+                    yield function
         elif isinstance(value, type) and depth < 2:
-            yield from _functions(dict(vars(value)), depth + 1)
+            here = value.__module__ == namespace.get("__name__", namespace.get("__module__"))
+            defined_in = getattr(sys.modules.get(value.__module__), "__file__", None)
+            if here or (isinstance(defined_in, str) and defined_in in files):
+                yield from _functions(dict(vars(value)), files, depth + 1)
+
+
+def namespace_codes(
+    namespace: dict[str, Any], files: TargetFiles
+) -> tuple[list[CodeType], list[dict[str, Any]]]:
+    """The code objects of the target's functions in one module namespace (its classes' methods
+    and every function nested in them included), and the other namespaces its functions were
+    defined in (a package's submodules, whose functions its ``__init__`` imports)."""
+    found: dict[int, CodeType] = {}
+    others: dict[int, dict[str, Any]] = {}
+    for function in _functions(namespace, files):
+        defined_in = function.__globals__
+        if defined_in is not namespace:
+            others[id(defined_in)] = defined_in
+        stack = [function.__code__]
+        while stack:
+            code = stack.pop()
+            if id(code) in found or code.co_filename not in files:
+                continue
+            found[id(code)] = code
+            stack += [c for c in code.co_consts if type(c) is CodeType]
+    return list(found.values()), list(others.values())
 
 
 def code_objects(module: ModuleType, files: TargetFiles) -> list[CodeType]:
-    """Every code object of the target's functions: the module's, its classes', those of the
-    modules its functions were defined in (a package's submodules), and every function nested in
-    them; only those whose file is one of the target's."""
+    """Every code object of the target's functions: `namespace_codes` of the module and of the
+    namespaces its functions were defined in."""
     found: dict[int, CodeType] = {}
-    namespaces = [vars(module)]
-    walked = {id(vars(module))}
-    while namespaces:
-        for function in _functions(namespaces.pop()):
-            defined_in = function.__globals__
-            path = defined_in.get("__file__")
-            if id(defined_in) not in walked and isinstance(path, str) and path in files:
-                walked.add(id(defined_in))
-                namespaces.append(defined_in)
-            stack = [function.__code__]
-            while stack:
-                code = stack.pop()
-                if id(code) in found or code.co_filename not in files:
-                    continue
-                found[id(code)] = code
-                stack += [c for c in code.co_consts if isinstance(c, CodeType)]
+    todo, walked = [vars(module)], set()
+    while todo:
+        namespace = todo.pop()
+        if id(namespace) in walked:
+            continue
+        walked.add(id(namespace))
+        codes, others = namespace_codes(namespace, files)
+        found.update((id(c), c) for c in codes)
+        todo += others
     return list(found.values())
 
 
@@ -130,8 +155,12 @@ class OwnLines:
         self._pending: dict[int, tuple[tuple[str, ...], int, object]] = {}
         """Per running frame (its id): the outermost-first chain of sites of the target function
         that last returned to it, the frame's line then, and the value it returned."""
-        self._instrumented: WeakSet[CodeType] = WeakSet()
         self._tool: int | None = None
+        self._namespaces: OrderedDict[int, tuple[dict[str, Any], list[CodeType], list[Any]]] = (
+            OrderedDict()
+        )
+        """`namespace_codes` of the last namespaces walked (by id, the namespace held): a
+        package's submodules stay loaded from task to task, so their walk is made once."""
 
     # -- which code is the target's -------------------------------------------------------------
 
@@ -140,14 +169,37 @@ class OwnLines:
         files = TargetFiles.of(module)
         if files != self.files:
             self.files = files
+            self._namespaces.clear()
         tool = self._claim()
         if tool is None:
             return
         monitoring = sys.monitoring
-        for code in code_objects(module, self.files):
-            if code not in self._instrumented:
-                monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
-                self._instrumented.add(code)
+        # every time: cheap where already set, and a fresh module's code objects compare equal
+        # to the last one's, so no set of them can tell which are instrumented
+        for code in self._codes(module):
+            monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
+
+    def _codes(self, module: ModuleType) -> list[CodeType]:
+        """`code_objects` of ``module``, each namespace but the module's own walked once."""
+        found: dict[int, CodeType] = {}
+        todo, walked = [vars(module)], set()
+        while todo:
+            namespace = todo.pop()
+            if id(namespace) in walked:
+                continue
+            walked.add(id(namespace))
+            kept = self._namespaces.get(id(namespace))
+            if kept is not None and kept[0] is namespace:
+                codes, others = kept[1], kept[2]
+            else:
+                codes, others = namespace_codes(namespace, self.files)
+                if namespace is not vars(module):  # a fresh module's is never met again
+                    self._namespaces[id(namespace)] = (namespace, codes, others)
+                    while len(self._namespaces) > _MAX_NAMESPACES:
+                        self._namespaces.popitem(last=False)
+            found.update((id(c), c) for c in codes)
+            todo += others
+        return list(found.values())
 
     def _claim(self) -> int | None:
         """The tool id whose ``PY_RETURN`` callback is this object's (claimed once)."""
@@ -162,7 +214,6 @@ class OwnLines:
                 continue
             monitoring.register_callback(tool, monitoring.events.PY_RETURN, self._on_return)
             self._tool = tool
-            self._instrumented = WeakSet()  # another object's registration: instrument anew
             return tool
         return None
 
@@ -173,7 +224,6 @@ class OwnLines:
             monitoring.register_callback(self._tool, monitoring.events.PY_RETURN, None)
             monitoring.free_tool_id(self._tool)
         self._tool = None
-        self._instrumented = WeakSet()
 
     # -- the three lines ------------------------------------------------------------------------
 
@@ -363,6 +413,7 @@ __all__ = [
     "TargetLine",
     "code_objects",
     "lines_json",
+    "namespace_codes",
     "lines_text",
     "parse_lines",
     "site",
