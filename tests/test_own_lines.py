@@ -46,7 +46,7 @@ def returns_early_lines(path: Path) -> tuple[int, int]:
     return blocked, returned
 
 
-HELPERS = '''
+HELPERS = """
 def direct(flag):
     if flag:
         return {}
@@ -68,7 +68,7 @@ def raises():
 class Box:
     def method(self):
         return direct(True)
-'''
+"""
 
 
 def _module(tmp_path: Path) -> ModuleType:

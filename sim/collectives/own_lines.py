@@ -78,9 +78,9 @@ class TargetFiles:
         return known
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, TargetFiles)
-            and (self.files, self.directories) == (other.files, other.directories)
+        return isinstance(other, TargetFiles) and (self.files, self.directories) == (
+            other.files,
+            other.directories,
         )
 
     def __hash__(self) -> int:
@@ -327,11 +327,13 @@ class TargetLine(Frozen):
     def parse(cls, text: str) -> TargetLine | None:
         """`text` read back (None: not one)."""
         if text in ("died", "running"):
-            return cls(state=text)  # type: ignore[arg-type]
+            return cls(state=text)
         match = _TEXT.match(text)
         if match is None:
             return None
-        state: State = "blocked" if match["blocked"] else "raised" if match["raised"] else "returned"
+        state: State = (
+            "blocked" if match["blocked"] else "raised" if match["raised"] else "returned"
+        )
         return cls(state=state, site=match["site"], what=match["op"] or match["error"])
 
     def as_json(self) -> dict[str, Any]:
@@ -413,8 +415,8 @@ __all__ = [
     "TargetLine",
     "code_objects",
     "lines_json",
-    "namespace_codes",
     "lines_text",
+    "namespace_codes",
     "parse_lines",
     "site",
     "target_lines",
