@@ -10,11 +10,12 @@ built-in reference: ``reference/``). Three lines are kept, as ``path:line in fun
   (`OwnLines.innermost`, at the collective's description, walking the frames only);
 * raised: the innermost frame of the target's files in an exception's traceback
   (`OwnLines.raised_at`);
-* returned: the line of the target's function the call returned from (`OwnLines.returning`):
-  ``sys.monitoring`` ``PY_RETURN`` events enabled only on the target's own code objects (local
-  events, nothing else of the interpreter is instrumented). Where the function returned a call of
-  another target function on the same line (``return _impl(...)``, the same object), the line is
-  that function's, innermost first.
+* returned: the line of the target's API function the call returned from
+  (`OwnLines.returning`): ``sys.monitoring`` ``PY_RETURN`` events enabled only on the code
+  objects of the API functions the target defines (local events: nothing else of the
+  interpreter is instrumented, one event per call). Where a decorated function's wrapped one
+  returned to it, or one of them returned another's value on the line it called it from
+  (``return get_moe_metrics(...)``), the line is the innermost one's.
 
 One `OwnLines` serves one process (every rank of the in-process tier shares its host's): events
 are told apart by frame, never by rank, so ranks in greenlets cannot mix their lines.
@@ -25,14 +26,14 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
 from typing import Any, Literal
 
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.protocol import Done
 from pipemetrics.sim.model.layout import Frozen
+from pipemetrics.sim.model.target import API_FUNCTIONS
 
 TOOL_NAME = "pipemetrics.own_lines"
 FREE_TOOL_IDS = (3, 4)
@@ -40,8 +41,6 @@ FREE_TOOL_IDS = (3, 4)
 optimizer); without a free one, no returned line is kept (entered and raised still are)."""
 MAX_WALK = 64
 """Frames walked outwards from a collective to the target's innermost frame."""
-_MAX_NAMESPACES = 16
-"""Namespaces whose walk is kept (a package target's submodules)."""
 _MAX_PENDING = 4096
 """Chains kept for frames still running (a frame unwound by an exception leaves its entry)."""
 
@@ -87,63 +86,19 @@ class TargetFiles:
         return hash((self.files, self.directories))
 
 
-def _functions(
-    namespace: dict[str, Any], files: TargetFiles, depth: int = 0
-) -> Iterator[FunctionType]:
-    """The target's functions in a module or class namespace, methods of the target's classes
-    included (classes it only imports are not walked)."""
-    for value in list(namespace.values()):
-        if isinstance(value, staticmethod | classmethod):
-            value = value.__func__
-        if isinstance(value, FunctionType):
-            if value.__code__.co_filename in files:
-                yield value
-        elif isinstance(value, property):
-            for function in (value.fget, value.fset):
-                if isinstance(function, FunctionType) and function.__code__.co_filename in files:
-                    yield function
-        elif isinstance(value, type) and depth < 2:
-            here = value.__module__ == namespace.get("__name__", namespace.get("__module__"))
-            defined_in = getattr(sys.modules.get(value.__module__), "__file__", None)
-            if here or (isinstance(defined_in, str) and defined_in in files):
-                yield from _functions(dict(vars(value)), files, depth + 1)
-
-
-def namespace_codes(
-    namespace: dict[str, Any], files: TargetFiles
-) -> tuple[list[CodeType], list[dict[str, Any]]]:
-    """The code objects of the target's functions in one module namespace (its classes' methods
-    and every function nested in them included), and the other namespaces its functions were
-    defined in (a package's submodules, whose functions its ``__init__`` imports)."""
+def api_codes(module: ModuleType, files: TargetFiles) -> list[CodeType]:
+    """The code objects of the API functions the target defines in its own files (a decorated
+    one's wrapped functions too, `functools.wraps`' ``__wrapped__``): the only code whose
+    returns are followed, one event per call (its helpers' returns would cost an event each)."""
     found: dict[int, CodeType] = {}
-    others: dict[int, dict[str, Any]] = {}
-    for function in _functions(namespace, files):
-        defined_in = function.__globals__
-        if defined_in is not namespace:
-            others[id(defined_in)] = defined_in
-        stack = [function.__code__]
-        while stack:
-            code = stack.pop()
-            if id(code) in found or code.co_filename not in files:
-                continue
-            found[id(code)] = code
-            stack += [c for c in code.co_consts if type(c) is CodeType]
-    return list(found.values()), list(others.values())
-
-
-def code_objects(module: ModuleType, files: TargetFiles) -> list[CodeType]:
-    """Every code object of the target's functions: `namespace_codes` of the module and of the
-    namespaces its functions were defined in."""
-    found: dict[int, CodeType] = {}
-    todo, walked = [vars(module)], set()
-    while todo:
-        namespace = todo.pop()
-        if id(namespace) in walked:
-            continue
-        walked.add(id(namespace))
-        codes, others = namespace_codes(namespace, files)
-        found.update((id(c), c) for c in codes)
-        todo += others
+    for name in API_FUNCTIONS:
+        function: Any = getattr(module, name, None)
+        for _ in range(8):
+            if isinstance(function, FunctionType) and function.__code__.co_filename in files:
+                found[id(function.__code__)] = function.__code__
+            function = getattr(function, "__wrapped__", None)
+            if function is None:
+                break
     return list(found.values())
 
 
@@ -152,54 +107,25 @@ class OwnLines:
 
     def __init__(self) -> None:
         self.files = TargetFiles(frozenset())
-        self._pending: dict[int, tuple[tuple[str, ...], int, object]] = {}
+        self._pending: dict[int, tuple[tuple[str, ...], int, object, CodeType]] = {}
         """Per running frame (its id): the outermost-first chain of sites of the target function
-        that last returned to it, the frame's line then, and the value it returned."""
+        that last returned to it, the frame's line then, the value it returned and the frame's
+        code (an entry left by a frame unwound since never matches a new frame's code)."""
         self._tool: int | None = None
-        self._namespaces: OrderedDict[int, tuple[dict[str, Any], list[CodeType], list[Any]]] = (
-            OrderedDict()
-        )
-        """`namespace_codes` of the last namespaces walked (by id, the namespace held): a
-        package's submodules stay loaded from task to task, so their walk is made once."""
 
     # -- which code is the target's -------------------------------------------------------------
 
     def follow(self, module: ModuleType) -> None:
         """The target of the current task is ``module`` (loaded afresh: new code objects)."""
-        files = TargetFiles.of(module)
-        if files != self.files:
-            self.files = files
-            self._namespaces.clear()
+        self.files = TargetFiles.of(module)
         tool = self._claim()
         if tool is None:
             return
         monitoring = sys.monitoring
         # every time: cheap where already set, and a fresh module's code objects compare equal
-        # to the last one's, so no set of them can tell which are instrumented
-        for code in self._codes(module):
+        # to the last one's, so no set of them could tell which are instrumented
+        for code in api_codes(module, self.files):
             monitoring.set_local_events(tool, code, monitoring.events.PY_RETURN)
-
-    def _codes(self, module: ModuleType) -> list[CodeType]:
-        """`code_objects` of ``module``, each namespace but the module's own walked once."""
-        found: dict[int, CodeType] = {}
-        todo, walked = [vars(module)], set()
-        while todo:
-            namespace = todo.pop()
-            if id(namespace) in walked:
-                continue
-            walked.add(id(namespace))
-            kept = self._namespaces.get(id(namespace))
-            if kept is not None and kept[0] is namespace:
-                codes, others = kept[1], kept[2]
-            else:
-                codes, others = namespace_codes(namespace, self.files)
-                if namespace is not vars(module):  # a fresh module's is never met again
-                    self._namespaces[id(namespace)] = (namespace, codes, others)
-                    while len(self._namespaces) > _MAX_NAMESPACES:
-                        self._namespaces.popitem(last=False)
-            found.update((id(c), c) for c in codes)
-            todo += others
-        return list(found.values())
 
     def _claim(self) -> int | None:
         """The tool id whose ``PY_RETURN`` callback is this object's (claimed once)."""
@@ -254,6 +180,7 @@ class OwnLines:
         """``call()``, and the line of the target it returned from (innermost; None when no
         target code returned to this frame: the function is not the target's, or no tool id)."""
         here = id(sys._getframe())
+        self._pending.pop(here, None)  # a frame unwound earlier at this address left it
         try:
             value = call()
             chain = self._pending.pop(here, None)
@@ -266,7 +193,12 @@ class OwnLines:
         line = site(frame)
         below = self._pending.pop(id(frame), None)
         chain: tuple[str, ...] = (line,)
-        if below is not None and below[1] == frame.f_lineno and below[2] is value:
+        if (
+            below is not None
+            and below[1] == frame.f_lineno
+            and below[2] is value
+            and below[3] is code
+        ):
             chain = (line, *below[0])  # ``return helper(...)``: helper's line is the one
         parent = frame.f_back
         files = self.files
@@ -282,7 +214,7 @@ class OwnLines:
         if len(self._pending) > _MAX_PENDING:
             self._pending.clear()
         caller_line = parent.f_lineno if parent.f_code is not returning else -1
-        self._pending[id(parent)] = (chain, caller_line, value)
+        self._pending[id(parent)] = (chain, caller_line, value, parent.f_code)
 
 
 _RETURNING = OwnLines.returning.__code__
@@ -413,10 +345,9 @@ __all__ = [
     "OwnLines",
     "TargetFiles",
     "TargetLine",
-    "code_objects",
+    "api_codes",
     "lines_json",
     "lines_text",
-    "namespace_codes",
     "parse_lines",
     "site",
     "target_lines",
