@@ -117,7 +117,9 @@ class OwnLines:
 
     def follow(self, module: ModuleType) -> None:
         """The target of the current task is ``module`` (loaded afresh: new code objects)."""
-        self.files = TargetFiles.of(module)
+        files = TargetFiles.of(module)
+        if files != self.files:  # the same files keep their answers from task to task
+            self.files = files
         tool = self._claim()
         if tool is None:
             return
