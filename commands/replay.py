@@ -16,10 +16,11 @@ from pipemetrics.commands.options import add_json_out, add_load_timeout, add_tar
 from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.verdict import UnknownProperty, judge_run, judgement_text
+from pipemetrics.sim.collectives.own_lines import lines_json
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.scenario import ScenarioFileError, load_scenario
 from pipemetrics.sim.model.target import TargetLoadError, TargetNotFound, precheck_target
-from pipemetrics.sim.results.summary import summarize
+from pipemetrics.sim.results.summary import summarize, target_lines
 from pipemetrics.sim.worlds.probe import DEFAULT_LOAD_TIMEOUT_S, probe_target
 from pipemetrics.sim.worlds.world import World, WorldStartError
 
@@ -103,6 +104,7 @@ def replay_main(
             "profile": scenario.profile,
             "passed": not problems,
             "problems": problems,
+            "target_lines": lines_json(target_lines(run)),
             "run": json.loads(run.model_dump_json()),
         }
         Path(json_out).write_text(json.dumps(report, indent=2), encoding="utf-8")

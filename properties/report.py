@@ -3,7 +3,7 @@ a Markdown summary (for a CI job summary).
 
 JSON contract: ``{"target", "profile", "tier", "conformant", "properties": [{"id", "function",
 "status", "examples", "found_at", "seconds", "counterexample", "replay", "message", "confirmed",
-"drawn_by", "cites"}]}`` plus the additional top-level key ``"coverage"``. ``examples`` counts
+"drawn_by", "cites", "target_lines"}]}`` plus the additional top-level key ``"coverage"``. ``examples`` counts
 the scenarios the property judged, on its own generator's pass and on those of
 `pipemetrics.properties.catalogue.ALSO_JUDGED_ON`. ``found_at`` is the example at which a
 failure first appeared, before shrinking (null otherwise); ``drawn_by`` names the property
@@ -12,6 +12,11 @@ generator's examples). ``confirmed`` is true for a failure that
 reproduced on the process tier (every reported failure; a failure of the in-process tier that
 did not is an ``error`` with ``confirmed`` false), null otherwise. A failure's ``counterexample`` (the scenario) carries one extra
 key, ``"picture"``: the plain-text layout picture of `pipemetrics.sim.results.picture`.
+``target_lines`` is, for a failure whose minimal example hung, mismatched, crashed or raised,
+each rank's own line of the target (rank as a string -> ``{"state": "blocked" | "raised" |
+"returned" | "died" | "running", "file", "line", "function", "site", "what"}``: where, in the
+target's own files, it entered the collective it was blocked in, raised, or returned from;
+`pipemetrics.sim.collectives.own_lines`), ``{}`` otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, TextIO
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import RARE
 from pipemetrics.properties.engine import PropertyResult
+from pipemetrics.sim.collectives.own_lines import lines_json, parse_lines
 
 
 def conformant(results: list[PropertyResult]) -> bool:
@@ -44,9 +50,16 @@ def report_json(
         "profile": profile,
         "tier": tier,
         "conformant": conformant(results),
-        "properties": [r.as_json() for r in results],
+        "properties": [entry_json(r) for r in results],
         "coverage": coverage,
     }
+
+
+def entry_json(result: PropertyResult) -> dict[str, Any]:
+    """A property's entry of the JSON report: `PropertyResult.as_json` and its ``target_lines``
+    (read from its write-up, `pipemetrics.sim.collectives.own_lines.parse_lines`)."""
+    lines = parse_lines(result.details) if result.status in ("fail", "error") else {}
+    return {**result.as_json(), "target_lines": lines_json(lines)}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ from pipemetrics.bench.measure import throughput_scenario
 from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Property
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.collectives.own_lines import TargetLine
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.calls import MoeCall, RoundUpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
@@ -29,12 +30,15 @@ from pipemetrics.sim.model.records import StepRecords
 from pipemetrics.sim.model.records import router_record as moe
 from pipemetrics.sim.model.scenario import Scenario, Step
 from pipemetrics.sim.results.differential import differences
+from pipemetrics.sim.results.summary import target_lines
 from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.worlds.world import WorldRun
 
 from .broken.mutants import MUTANTS, write_mutant
 from .conftest import Bounds, TrackingPool, tracking_pool
+from .test_own_lines import RETURNS_EARLY, returns_early_lines
 from .test_properties_runner import check
+from .test_sim_world import scenario_for
 
 pytestmark = pytest.mark.skipif(
     inprocess_unsupported() is not None, reason=str(inprocess_unsupported())
@@ -108,6 +112,21 @@ def test_the_tiers_agree_on_every_mutant(
     path = str(write_mutant(name, tmp_path))
     for property_id in mutant.fails:
         assert_tiers_agree(tiers, BY_ID[property_id], mutant.profile, path, MUTANT_EXAMPLES)
+
+
+def test_the_inprocess_tier_names_the_target_s_own_lines(
+    inprocess_pool: TrackingPool, tmp_path: Path
+) -> None:
+    """A hang of a broken copy: the blocked and the returned rank's own line in the copy, as
+    the process tier names them (`tests/test_sim_world.py`)."""
+    path = write_mutant(RETURNS_EARLY, tmp_path)
+    blocked, returned = returns_early_lines(path)
+    run = inprocess_pool.run(scenario_for(path))
+    assert run.outcome.kind == "deadlock", run.outcome.message
+    assert target_lines(run) == {
+        0: TargetLine(state="returned", site=f"{path}:{returned} in get_moe_metrics"),
+        1: TargetLine(state="blocked", site=f"{path}:{blocked} in _sync", what="all_reduce"),
+    }
 
 
 # -- determinism and isolation -----------------------------------------------------------------

@@ -11,6 +11,7 @@ from pipemetrics.sim.mcore import installed_features
 
 from .broken.mutants import write_mutant
 from .conftest import Bounds
+from .test_own_lines import returns_early_lines
 from .test_properties_runner import check
 
 MUTANT = "moe_empty_stage_returns_early"
@@ -49,10 +50,17 @@ def test_check_failure_report_shows_the_picture(tmp_path: Path, bounds: Bounds) 
     section = output.split("=== FAIL: moe.no_hang")[1].split("reproduce with:")[0]
     picture_checks(section.split("minimal counterexample:")[1])
     assert "deadlock: deadlock" not in output
+    # the copy's own lines: a rank blocked at _sync's reduction, one returned from `return {}`
+    blocked, returned = returns_early_lines(path)
+    write_up = output.split("=== FAIL: moe.no_hang")[1]
+    assert f"blocked in all_reduce at {path}:{blocked} in _sync" in write_up, write_up
+    assert f"returned from {path}:{returned} in get_moe_metrics" in write_up, write_up
     # JSON: the counterexample carries the same picture; the entry keys are unchanged
     (entry,) = data["properties"]
     assert entry["status"] == "fail"
     picture_checks(entry["counterexample"]["picture"])
+    own = {(line["state"], line["file"], line["line"]) for line in entry["target_lines"].values()}
+    assert {("blocked", str(path), blocked), ("returned", str(path), returned)} <= own, own
     assert entry["counterexample"]["setup"]["world"]["pp"] == 2
     # Markdown: the table, the message, the picture as text, the scenario as JSON, the replay
     md = markdown.read_text(encoding="utf-8")

@@ -6,6 +6,7 @@ the module's pool asserts at the end that no rank process or world directory sur
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import random
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from pipemetrics.properties.engine import PropertyResult
+from pipemetrics.properties.report import print_failures, report_json
 from pipemetrics.properties.verdict import judge_run
+from pipemetrics.sim.collectives.own_lines import lines_json
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
@@ -31,7 +35,9 @@ from pipemetrics.sim.model.layout import (
 from pipemetrics.sim.model.records import ROUTER_REDUCTION, MoeRecord, StepRecords, router_record
 from pipemetrics.sim.model.scenario import Scenario, Step, save_scenario
 from pipemetrics.sim.model.topology import places_for
+from pipemetrics.sim.results.summary import layout_picture, summarize, target_lines, what_ranks_did
 
+from .broken.mutants import write_mutant
 from .conftest import (
     Bounds,
     Lines,
@@ -41,6 +47,7 @@ from .conftest import (
     pid_alive,
     private_tmpdir,
 )
+from .test_own_lines import RETURNS_EARLY, returns_early_lines
 
 SETUP = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2, moe_layer_freq=[0, 1]))
 RECORDS = StepRecords(
@@ -110,6 +117,48 @@ def test_skipped_pipeline_all_reduce_is_a_deadlock_naming_the_call_site(
     assert f"{target}:11 in get_moe_metrics" in outcome.message
     assert outcome.latency_ms is not None  # the speed itself is measured by pipemetrics bench
     assert run.reusable, "a prevented deadlock leaves the process group untouched"
+
+
+def test_a_hang_of_a_broken_copy_names_its_own_lines_in_the_write_up_json_and_replay(
+    pool: TrackingPool, tmp_path: Path
+) -> None:
+    """The blocked rank's and the returned rank's own line in the copy (found in its source),
+    in the failure write-up, the JSON report, the picture and the replay's account: one run, in
+    the module's live pp=2 world."""
+    path = write_mutant(RETURNS_EARLY, tmp_path)
+    blocked_line, returned_line = returns_early_lines(path)
+    blocked = f"{path}:{blocked_line} in _sync"
+    returned = f"{path}:{returned_line} in get_moe_metrics"
+    scenario = scenario_for(path)
+    run = pool.run(scenario)
+    assert run.outcome.kind == "deadlock", run.outcome.message
+    # the failure as the engine keeps it: its write-up and its picture, made from the run
+    result = PropertyResult(
+        "moe.no_hang", "get_moe_metrics", "fail", message=run.outcome.text(),
+        details=what_ranks_did(run), picture=layout_picture(scenario, run),
+        counterexample=scenario.model_dump(mode="json"),
+    )  # fmt: skip
+    out = io.StringIO()
+    print_failures([result], out)
+    write_up = out.getvalue()
+    assert f"rank 1: blocked in all_reduce at {blocked}" in write_up, write_up
+    assert f"rank 0: returned from {returned}" in write_up, write_up
+    # the picture, clipped on the left to its width, keeps file name, line and function
+    picture = result.picture or ""
+    assert f"{path.name}:{blocked_line} in _sync" in picture, picture
+    assert "rank 0  returned from" in picture, picture
+    assert f"{path.name}:{returned_line} in get_moe_metrics" in picture, picture
+    (entry,) = report_json(str(path), "seed", [result], {})["properties"]
+    lines = entry["target_lines"]
+    assert lines["1"]["state"] == "blocked" and lines["1"]["what"] == "all_reduce", lines
+    assert (lines["1"]["file"], lines["1"]["line"]) == (str(path), blocked_line)
+    assert lines["1"]["function"] == "_sync"
+    assert lines["0"]["state"] == "returned" and lines["0"]["site"] == returned, lines
+    # the replay's account (``pipemetrics replay`` prints `summarize`) and its JSON's lines
+    account = summarize(scenario, run)
+    assert f"rank 1: blocked in all_reduce at {blocked}" in account
+    assert f"rank 0: returned from {returned}" in account
+    assert lines_json(target_lines(run)) == lines
 
 
 def test_size_mismatch_is_reported_before_the_backend_sees_it(
@@ -377,6 +426,11 @@ def test_replay_cli_reproduces_an_outcome(tmp_path: Path, bounds: Bounds) -> Non
     assert "outcome: deadlock" in result.stdout
     replayed = json.loads(out.read_text())
     assert replayed["run"]["outcome"]["kind"] == "deadlock" and not replayed["passed"]
+    # the target's own lines: rank 0 raised at line 5, rank 1 entered the all_reduce at line 6
+    assert f"rank 0: raised RuntimeError at {target}:5 in get_moe_metrics" in result.stdout
+    own = replayed["target_lines"]
+    assert (own["0"]["state"], own["0"]["line"]) == ("raised", 5), own
+    assert (own["1"]["state"], own["1"]["line"], own["1"]["file"]) == ("blocked", 6, str(target))
     fixed = subprocess.run(
         [
             sys.executable,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from pipemetrics.sim.collectives.own_lines import OwnLines
 from pipemetrics.sim.collectives.protocol import CollectiveCall
 
 COLLECTIVES: tuple[str, ...] = (
@@ -226,6 +227,9 @@ class Interposer:
         self.recording = False
         self._depth = 0
         self._originals: dict[tuple[object, str], Callable[..., Any]] = {}
+        self.own_lines: OwnLines | None = None
+        """Where a recorded collective entered the target's own code (`CollectiveCall.target_site`);
+        set by the rank's server."""
 
     @contextmanager
     def active(self) -> Iterator[list[CollectiveCall]]:
@@ -343,6 +347,11 @@ class Interposer:
             group_ranks=ranks,
             signature=described,
             call_site=call_site(),
+            target_site=(
+                self.own_lines.innermost(sys._getframe(1))
+                if self.own_lines is not None and self.recording
+                else None
+            ),
             started_s=time.monotonic(),
             outcome=outcome,
             payload_bytes=payload_bytes(op, arguments),

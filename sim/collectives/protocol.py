@@ -40,6 +40,9 @@ class CollectiveCall(Frozen):
     )
     payload_bytes: int = 0
     """Bytes of this rank's data in the call (`pipemetrics.sim.collectives.interpose.payload_bytes`)."""
+    target_site: str | None = None
+    """The innermost ``file:line in function`` frame of the target's own files on the stack
+    (`pipemetrics.sim.collectives.own_lines`): where the adopter's code entered the collective."""
 
     def describe(self) -> str:
         sig = ", ".join(f"{k}={v}" for k, v in self.signature)
@@ -52,6 +55,9 @@ class CallError(Frozen):
     type: str
     message: str
     traceback: str
+    target_site: str | None = None
+    """The innermost ``file:line in function`` frame of the target's own files in the traceback
+    (`pipemetrics.sim.collectives.own_lines`); None for a harness fault or code not the target's."""
 
 
 ComposedStatus = Literal["composed", "absent", "raised", "not_mirrored"]
@@ -99,6 +105,9 @@ class CallReport(Frozen):
     up with. Made here, where torch already is, so that the judging process never imports it."""
     composed: ComposedNames | None = None
     """A trainer-wired ``get_moe_metrics`` call: the names this rank derived and passed."""
+    returned_from: str | None = None
+    """A call that returned: the ``file:line in function`` of the target's own code it returned
+    from (`pipemetrics.sim.collectives.own_lines.OwnLines.returning`)."""
 
 
 class Ready(Frozen):

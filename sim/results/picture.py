@@ -8,7 +8,9 @@ codes, so it reads the same in a terminal, a log file and a Markdown ``text`` bl
 * each rank's coordinates and the members of the groups the metric helpers reduce over
   (``pp``, ``dp``, ``tp_cp``, ``tp_dp_cp``);
 * with an outcome: each rank's state at that moment, a pending collective (op, group role,
-  signature) with its call site, or ``returned``, ``running``, ``died (exit code N)``.
+  signature) with its call site, or ``returned``, ``running``, ``died (exit code N)``; with the
+  ranks' own lines of the target (`pipemetrics.sim.collectives.own_lines`), the line of the
+  target's files it entered the collective from, raised at or returned from.
 
 It needs no processes: places may come from a finished run (``RankResult.place``) or from
 `pipemetrics.sim.model.topology.places_for`.
@@ -17,9 +19,11 @@ It needs no processes: places may come from a finished run (``RankResult.place``
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pipemetrics.sim.collectives.coordinator import Outcome, group_roles
+from pipemetrics.sim.collectives.own_lines import TargetLine, target_lines
 from pipemetrics.sim.collectives.protocol import CollectiveCall
 from pipemetrics.sim.model.layout import Setup
 from pipemetrics.sim.model.records import RankPlace
@@ -153,7 +157,9 @@ def _group_rows(places: dict[int, RankPlace]) -> list[str]:
     return [line(header), *(line(row) for row in rows)]
 
 
-def _pending_lines(call: CollectiveCall, place: RankPlace | None) -> list[str]:
+def _pending_lines(
+    call: CollectiveCall, place: RankPlace | None, own: TargetLine | None = None
+) -> list[str]:
     roles = group_roles(call.group_ranks, place)
     head = (
         f"blocked in {call.op} #{call.index} on {roles} [{member_list(call.group_ranks)}] "
@@ -164,17 +170,35 @@ def _pending_lines(call: CollectiveCall, place: RankPlace | None) -> list[str]:
         lines.append(", ".join(f"{k}={v}" for k, v in call.signature))
     site = short_site(call.call_site[0]) if call.call_site else "unknown call site"
     lines.append(f"at {_clip_site(site)}")
+    target = own.site if own is not None else call.target_site
+    if target is not None and (not call.call_site or target != call.call_site[0]):
+        lines.append(f"from {_clip_site(short_site(target), _SITE_WIDTH - 2)}")
     return lines
 
 
-def _state_lines(outcome: Outcome, rank: int, place: RankPlace | None) -> list[str]:
+def _finished_lines(own: TargetLine | None) -> list[str]:
+    """``returned`` (from the target's line), or ``raised T`` (at the target's line)."""
+    if own is None or own.state not in ("returned", "raised"):
+        return ["returned"]
+    head = "returned from" if own.state == "returned" else f"raised {own.what} at"
+    if own.site is None:
+        return [head.rsplit(" ", 1)[0]]
+    site = short_site(own.site)
+    if len(head) + 1 + len(site) <= MAX_WIDTH - 12:  # after the rank column
+        return [f"{head} {site}"]
+    return [head, _clip_site(site)]
+
+
+def _state_lines(
+    outcome: Outcome, rank: int, place: RankPlace | None, own: TargetLine | None = None
+) -> list[str]:
     if rank in outcome.pending:
-        return _pending_lines(outcome.pending[rank], place)
+        return _pending_lines(outcome.pending[rank], place, own)
     if rank in outcome.crashed:
         code = outcome.crashed[rank]
         return [f"died (exit code {code})" if code is not None else "died (unknown exit code)"]
     if rank in outcome.finished:
-        return ["returned"]
+        return _finished_lines(own)
     if rank in outcome.running:
         if outcome.kind == "timeout":
             return ["running (never reached a collective or returned)"]
@@ -182,7 +206,9 @@ def _state_lines(outcome: Outcome, rank: int, place: RankPlace | None) -> list[s
     return ["unknown"]
 
 
-def _outcome_rows(outcome: Outcome, places: dict[int, RankPlace]) -> list[str]:
+def _outcome_rows(
+    outcome: Outcome, places: dict[int, RankPlace], own: Mapping[int, TargetLine]
+) -> list[str]:
     ranks = sorted(
         set(places)
         | set(outcome.pending)
@@ -193,7 +219,7 @@ def _outcome_rows(outcome: Outcome, places: dict[int, RankPlace]) -> list[str]:
     label = max(len(str(r)) for r in ranks) if ranks else 1
     rows = [f"where each rank stood when the world ended ({outcome.kind}):"]
     for rank in ranks:
-        first, *rest = _state_lines(outcome, rank, places.get(rank))
+        first, *rest = _state_lines(outcome, rank, places.get(rank), own.get(rank))
         head = f"  rank {rank:>{label}}  "
         rows.append(head + first)
         rows += [" " * (len(head) + 2) + text for text in rest]
@@ -201,9 +227,13 @@ def _outcome_rows(outcome: Outcome, places: dict[int, RankPlace]) -> list[str]:
 
 
 def layout_picture(
-    setup: Setup, places: dict[int, RankPlace], outcome: Outcome | None = None
+    setup: Setup,
+    places: dict[int, RankPlace],
+    outcome: Outcome | None = None,
+    own: Mapping[int, TargetLine] | None = None,
 ) -> str:
-    """The stages by layers, each rank's groups and, with ``outcome``, where each rank stood.
+    """The stages by layers, each rank's groups and, with ``outcome``, where each rank stood
+    (with ``own``, the ranks' own lines of the target).
 
     Plain text, no line longer than `MAX_WIDTH`.
     """
@@ -228,16 +258,22 @@ def layout_picture(
         *_group_rows(places),
     ]
     if outcome is not None:
-        lines += _outcome_rows(outcome, places)
+        lines += _outcome_rows(outcome, places, own or {})
     return "\n".join(_clip(line) for line in lines)
 
 
 def run_picture(setup: Setup, run: WorldRun) -> str:
-    """`layout_picture` of a finished run: the places its ranks reported, and its outcome.
+    """`layout_picture` of a finished run: the places its ranks reported, its outcome and the
+    ranks' own lines of the target.
 
     Ranks that never reported a place (a world that could not start) are computed with
     `places_for`.
     """
     places = places_for(setup.world)
     places.update({rank: result.place for rank, result in run.ranks.items()})
-    return layout_picture(setup, places, run.outcome)
+    return layout_picture(setup, places, run.outcome, run_target_lines(run))
+
+
+def run_target_lines(run: WorldRun) -> dict[int, TargetLine]:
+    """`pipemetrics.sim.collectives.own_lines.target_lines` of a finished run."""
+    return target_lines(run.outcome, {rank: result.done for rank, result in run.ranks.items()})

@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pipemetrics.sim.collectives.own_lines import TargetLine, lines_text
 from pipemetrics.sim.model.scenario import Scenario
-from pipemetrics.sim.results.picture import run_picture
+from pipemetrics.sim.results.picture import run_picture, run_target_lines
 from pipemetrics.sim.worlds.world import WorldRun
 
 LIMIT = 400
@@ -61,9 +62,18 @@ def _rank_lines(run: WorldRun) -> list[str]:
     return lines
 
 
+def target_lines(run: WorldRun) -> dict[int, TargetLine]:
+    """Each rank's own line of the target when the run ended (a hang, a mismatch, a crash, an
+    exception; empty for a run that ended well): `pipemetrics.sim.collectives.own_lines`."""
+    return run_target_lines(run)
+
+
 def what_ranks_did(run: WorldRun) -> str:
-    """The outcome, then what each rank did (a failure write-up, beside its layout picture)."""
-    return "\n".join([f"outcome: {run.outcome.text()}", *_rank_lines(run)])
+    """The outcome, then what each rank did, then each rank's own line of the target (a failure
+    write-up, beside its layout picture)."""
+    return "\n".join(
+        [f"outcome: {run.outcome.text()}", *_rank_lines(run), *lines_text(target_lines(run))]
+    )
 
 
 def summarize(scenario: Scenario, run: WorldRun) -> str:
@@ -81,4 +91,5 @@ def summarize(scenario: Scenario, run: WorldRun) -> str:
         lines.append(f"rank {rank} stack at the deadline:\n{stack}")
     lines.append("what each rank did:")
     lines += _rank_lines(run)
+    lines += lines_text(target_lines(run))
     return "\n".join(lines)

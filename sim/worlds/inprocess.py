@@ -42,6 +42,7 @@ from megatron.core import parallel_state
 
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.interpose import COLLECTIVES, Binder, Interposer
+from pipemetrics.sim.collectives.own_lines import OwnLines
 from pipemetrics.sim.collectives.protocol import (
     INPROCESS_MODES,
     CollectiveCall,
@@ -201,7 +202,7 @@ class _InProcessServer(RankServer):
     def __init__(
         self, owner: _Rank, rank: int, groups: dict[str, dist.ProcessGroup], i: Interposer
     ) -> None:
-        super().__init__(rank, None, groups, i)
+        super().__init__(rank, None, groups, i, own_lines=owner.host.own_lines)
         self.owner = owner
         self.loaded: set[str] = set()
         """Targets this rank has loaded once (their private modules are known)."""
@@ -238,6 +239,8 @@ class InProcessHost:
         self.pristine = pristine_values(self.slots)
         self.private: set[str] = set()
         self.current: _Rank | None = None
+        self.own_lines = OwnLines()
+        """The target's own lines of every rank (`pipemetrics.sim.collectives.own_lines`)."""
         _process_wide_group_names_off()
         _non_member_groups_skipped()
         _rank_groups_shared()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from pipemetrics.sim.collectives.interpose import Interposer
+from pipemetrics.sim.collectives.own_lines import OwnLines
 from pipemetrics.sim.collectives.protocol import (
     Abort,
     Call,
@@ -129,14 +130,18 @@ class RankServer:
         conn: Connection | None,
         groups: dict[str, dist.ProcessGroup],
         interposer: Interposer | None = None,
+        own_lines: OwnLines | None = None,
     ) -> None:
         """``interposer``: the in-process tier passes its own (see `pipemetrics.sim.worlds.inprocess`);
-        by default collectives are gated through ``conn``."""
+        by default collectives are gated through ``conn``. ``own_lines``: the process's (the
+        in-process tier's ranks share their host's); by default one of this rank's own."""
         self.rank = rank
         self.conn = conn
         self.groups = groups
         self.place = place_of(rank, groups)
         self.interposer = interposer or Interposer(rank, self._gate)
+        self.own_lines = own_lines or OwnLines()
+        self.interposer.own_lines = self.own_lines
         self.new_groups: dict[tuple[int, ...], Any] = {}
         """The current task's ``new_group`` groups by members (a non-member holds torch's
         ``GroupMember.NON_GROUP_MEMBER``); destroyed when the task ends."""
@@ -184,6 +189,7 @@ class RankServer:
                 target = self.load(scenario.target)
             except TargetLoadError as exc:
                 return Done(rank=self.rank, reports=[], load_error=_error(exc))
+            self.own_lines.follow(target)
             with megatron_pipeline_layout(scenario.setup, self.place.pp_rank):
                 fill = self._filler(scenario)
                 totals: dict[str, Any] = {}
@@ -273,13 +279,16 @@ class RankServer:
         begin = time.monotonic()
         value: Any = None
         error: CallError | None = None
+        returned_from: str | None = None
         with self.interposer.active() as calls, cpu_current_device():
             try:
-                value = self._call(function, spec, arguments)
+                value, returned_from = self.own_lines.returning(
+                    lambda: self._call(function, spec, arguments)
+                )
             except SimAbort:
                 raise
             except BaseException as exc:  # the target's fault, reported as such
-                error = _error(exc)
+                error = _error(exc, self.own_lines.raised_at(exc.__traceback__))
         return base.model_copy(
             update={
                 "value": encode(value, buffer=arguments.get("tensor")),
@@ -297,6 +306,7 @@ class RankServer:
                     else None
                 ),
                 "sent": sent,
+                "returned_from": returned_from,
             }
         )
 
@@ -494,11 +504,12 @@ def loss_scale_argument(spec: MoeCall | MtpCall, setup: Setup) -> Any:
     raise ValueError(f"loss_scale_form {form!r} has no argument")
 
 
-def _error(exc: BaseException) -> CallError:
+def _error(exc: BaseException, target_site: str | None = None) -> CallError:
     return CallError(
         type=type(exc).__name__,
         message=str(exc)[:4000],
         traceback="".join(traceback.format_exception(exc))[-8000:],
+        target_site=target_site,
     )
 
 
