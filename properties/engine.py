@@ -33,8 +33,9 @@ from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.runview import HarnessFault
 from pipemetrics.properties.shared import Runner
 from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
+from pipemetrics.sim.collectives.own_lines import lines_json
 from pipemetrics.sim.model.scenario import Scenario, replay_command, save_scenario
-from pipemetrics.sim.results.summary import layout_picture, what_ranks_did
+from pipemetrics.sim.results.summary import layout_picture, target_lines, what_ranks_did
 from pipemetrics.sim.worlds.world import WorldStartError
 
 Status = Literal["pass", "fail", "absent", "error", "skipped"]
@@ -66,6 +67,9 @@ class PropertyResult:
     """A failure: True once it reproduced on the process tier (where a failure found by the
     in-process tier is run again before it is reported; one found on the process tier is
     there already). None for anything but a failure."""
+    target_lines: dict[str, dict[str, Any]] | None = None
+    """A failure: each rank's own line of the target in the minimal failing example, by rank
+    (`pipemetrics.sim.collectives.own_lines.lines_json`; empty for wrong values alone)."""
     drawn_by: str | None = None
     """A failure found on another property's scenarios (`pipemetrics.properties.catalogue.
     ALSO_JUDGED_ON`): that property, whose generator drew it (``found_at`` counts that
@@ -91,6 +95,7 @@ class PropertyResult:
             "message": self.message,
             "confirmed": self.confirmed,
             "drawn_by": self.drawn_by,
+            "target_lines": self.target_lines or {},
             "cites": _cites(self.id),
         }
 
@@ -111,6 +116,7 @@ class _Failure:
     problems: list[str]
     details: str
     picture: str
+    target_lines: dict[str, dict[str, Any]]
 
 
 @dataclass
@@ -158,8 +164,9 @@ def _example_runner(
                     f"(at most {options.effort.shrink_budget_s:g} s) ..."
                 )
             state.failure = _Failure(
-                scenario, problems, what_ranks_did(run), layout_picture(scenario, run)
-            )
+                scenario, problems, what_ranks_did(run), layout_picture(scenario, run),
+                lines_json(target_lines(run)),
+            )  # fmt: skip
             raise PropertyFailed("; ".join(problems[:3]))
 
     return example
@@ -235,6 +242,7 @@ def real_test(
                 "counterexample is the smallest found by then)\n" + failure.details
             )
         result.picture = failure.picture
+        result.target_lines = failure.target_lines
         result.counterexample = failure.scenario.model_dump(mode="json")
         result.replay = _write_replay(prop, failure, options.report_dir, drawn_by)
         if pool.tier == "process":

@@ -30,7 +30,6 @@ from typing import Any, TextIO
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import RARE
 from pipemetrics.properties.engine import PropertyResult
-from pipemetrics.sim.collectives.own_lines import lines_json, parse_lines
 
 
 def conformant(results: list[PropertyResult]) -> bool:
@@ -50,16 +49,9 @@ def report_json(
         "profile": profile,
         "tier": tier,
         "conformant": conformant(results),
-        "properties": [entry_json(r) for r in results],
+        "properties": [r.as_json() for r in results],
         "coverage": coverage,
     }
-
-
-def entry_json(result: PropertyResult) -> dict[str, Any]:
-    """A property's entry of the JSON report: `PropertyResult.as_json` and its ``target_lines``
-    (read from its write-up, `pipemetrics.sim.collectives.own_lines.parse_lines`)."""
-    lines = parse_lines(result.details) if result.status in ("fail", "error") else {}
-    return {**result.as_json(), "target_lines": lines_json(lines)}
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:

@@ -14,12 +14,12 @@ from types import ModuleType
 import pytest
 
 from pipemetrics.sim.collectives.own_lines import (
+    HEADING,
     OwnLines,
     TargetFiles,
     TargetLine,
     lines_json,
     lines_text,
-    parse_lines,
 )
 from pipemetrics.sim.mcore import installed_features
 
@@ -39,7 +39,7 @@ def returns_early_lines(path: Path) -> tuple[int, int]:
     (added,) = [edit[1] for edit in MUTANTS[RETURNS_EARLY].edits]
     returned = source.index(added.splitlines()[-2]) + 2  # 1-based, the line after the guard
     assert source[returned - 1].strip() == "return {}"
-    entered = "sync(names)" if installed_features().class_tracker else "group=pp_group)"
+    entered = "_sync_metrics(names)" if installed_features().class_tracker else "group=pp_group)"
     (blocked,) = [i + 1 for i, text in enumerate(source) if text.strip().endswith(entered)]
     return blocked, returned
 
@@ -143,17 +143,21 @@ def test_a_package_target_is_its_whole_directory(tmp_path: Path) -> None:
             del sys.modules[name]
 
 
-def test_the_write_up_block_reads_back() -> None:
+def test_the_write_up_block_and_the_json() -> None:
     lines = {
         0: TargetLine(state="returned", site="/a b/x.py:3 in f"),
         1: TargetLine(state="blocked", site="/x.py:12 in _sync", what="all_reduce"),
         2: TargetLine(state="raised", what="ValueError"),
         3: TargetLine(state="died"),
     }
-    text = "\n".join(["outcome: deadlock", *lines_text(lines), "reproduce with: x"])
-    assert parse_lines(text) == lines
+    assert lines_text(lines) == [
+        HEADING,
+        "  rank 0: returned from /a b/x.py:3 in f",
+        "  rank 1: blocked in all_reduce at /x.py:12 in _sync",
+        "  rank 2: raised ValueError (no line of the target)",
+        "  rank 3: died",
+    ]
     assert lines_json(lines)["1"] == {
         "state": "blocked", "file": "/x.py", "line": 12, "function": "_sync",
         "site": "/x.py:12 in _sync", "what": "all_reduce",
     }  # fmt: skip
-    assert parse_lines("no block here") == {}

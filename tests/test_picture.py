@@ -169,7 +169,7 @@ def test_json_counterexample_carries_the_picture_and_the_contract_holds() -> Non
     entry = failed_result().as_json()
     assert set(entry) == {
         "id", "function", "status", "examples", "found_at", "seconds", "counterexample", "replay",
-        "message", "confirmed", "drawn_by", "cites",
+        "message", "confirmed", "drawn_by", "cites", "target_lines",
     }  # fmt: skip
     assert "stage 1 |" in entry["counterexample"]["picture"]
     assert entry["counterexample"]["setup"]["world"]["pp"] == 2

@@ -36,7 +36,7 @@ REFERENCE_FILE = REPO / "reference" / "megatron_common.py"
 CONTRACT_KEYS = {"target", "profile", "tier", "conformant", "properties"}
 ENTRY_KEYS = {
     "id", "function", "status", "examples", "found_at", "seconds", "counterexample", "replay",
-    "message", "confirmed", "drawn_by", "cites",
+    "message", "confirmed", "drawn_by", "cites", "target_lines",
 }  # fmt: skip
 CHEAP = ["round_up.least_multiple", "track_names.router_parity", "broadcast.value_error"]
 

@@ -136,7 +136,7 @@ def test_a_hang_of_a_broken_copy_names_its_own_lines_in_the_write_up_json_and_re
     result = PropertyResult(
         "moe.no_hang", "get_moe_metrics", "fail", message=run.outcome.text(),
         details=what_ranks_did(run), picture=layout_picture(scenario, run),
-        counterexample=scenario.model_dump(mode="json"),
+        counterexample=scenario.model_dump(mode="json"), target_lines=lines_json(target_lines(run)),
     )  # fmt: skip
     out = io.StringIO()
     print_failures([result], out)
@@ -158,7 +158,6 @@ def test_a_hang_of_a_broken_copy_names_its_own_lines_in_the_write_up_json_and_re
     account = summarize(scenario, run)
     assert f"rank 1: blocked in all_reduce at {blocked}" in account
     assert f"rank 0: returned from {returned}" in account
-    assert lines_json(target_lines(run)) == lines
 
 
 def test_size_mismatch_is_reported_before_the_backend_sees_it(

@@ -226,12 +226,8 @@ _RETURNING = OwnLines.returning.__code__
 
 State = Literal["blocked", "raised", "returned", "died", "running"]
 HEADING = "the target's own lines (where each rank was in the target's files):"
-"""The heading of `lines_text`'s block, which `parse_lines` finds again."""
+"""The heading of `lines_text`'s block."""
 _SITE = re.compile(r"^(?P<file>.+):(?P<line>\d+) in (?P<function>\S+)$")
-_TEXT = re.compile(
-    r"^(?:(?P<blocked>blocked) in (?P<op>\S+)|(?P<raised>raised) (?P<error>\S+)|"
-    r"(?P<returned>returned))(?: (?:at|from) (?P<site>.+?))?(?P<unknown> \(no line of the target\))?$"
-)
 
 
 class TargetLine(Frozen):
@@ -256,19 +252,6 @@ class TargetLine(Frozen):
         if self.site is None:
             return f"{head} (no line of the target)"
         return f"{head} {'from' if self.state == 'returned' else 'at'} {self.site}"
-
-    @classmethod
-    def parse(cls, text: str) -> TargetLine | None:
-        """`text` read back (None: not one)."""
-        if text in ("died", "running"):
-            return cls(state=text)
-        match = _TEXT.match(text)
-        if match is None:
-            return None
-        state: State = (
-            "blocked" if match["blocked"] else "raised" if match["raised"] else "returned"
-        )
-        return cls(state=state, site=match["site"], what=match["op"] or match["error"])
 
     def as_json(self) -> dict[str, Any]:
         """``state``, ``site`` and its ``file``, ``line``, ``function`` (null where unknown),
@@ -321,22 +304,6 @@ def lines_text(lines: Mapping[int, TargetLine]) -> list[str]:
     return [HEADING, *(f"  rank {rank}: {line.text()}" for rank, line in sorted(lines.items()))]
 
 
-def parse_lines(text: str | None) -> dict[int, TargetLine]:
-    """The lines of `lines_text`'s block inside ``text`` (a failure's write-up), read back."""
-    if not text or HEADING not in text:
-        return {}
-    lines: dict[int, TargetLine] = {}
-    for row in text.split(HEADING, 1)[1].splitlines()[1:]:
-        head, sep, rest = row.partition(": ")
-        if not sep or not head.startswith("  rank ") or not head[7:].isdigit():
-            break
-        line = TargetLine.parse(rest)
-        if line is None:
-            break
-        lines[int(head[7:])] = line
-    return lines
-
-
 def lines_json(lines: Mapping[int, TargetLine]) -> dict[str, dict[str, Any]]:
     """The JSON reports' ``target_lines``: rank (a string) -> `TargetLine.as_json`."""
     return {str(rank): line.as_json() for rank, line in sorted(lines.items())}
@@ -350,7 +317,6 @@ __all__ = [
     "api_codes",
     "lines_json",
     "lines_text",
-    "parse_lines",
     "site",
     "target_lines",
 ]
