@@ -76,12 +76,6 @@ class Generator:
             kwargs["semantic"] = semantic
         return self.strategy(effort, **kwargs)
 
-    @property
-    def name(self) -> str:
-        """The generator as reports name it: ``moe_scenarios(per_layer=True)``."""
-        options = ", ".join(f"{name}={value!r}" for name, value in self.options)
-        return f"{self.strategy.__name__}({options})"
-
 
 @dataclass(frozen=True)
 class Property:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from hypothesis.database import ExampleDatabase
 
-from pipemetrics.properties.catalogue import Generator, Pass, Property, passes
+from pipemetrics.properties.catalogue import Pass, Property, passes
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
     as_judged,
@@ -265,18 +265,6 @@ def combined(results: Sequence[PropertyResult], order: Sequence[Pass]) -> list[P
     return out
 
 
-def run_property(
-    prop: Property,
-    runner: Runner,
-    options: RunOptions,
-    coverage: Coverage,
-    confirm_pool: Runner | None = None,
-) -> PropertyResult:
-    """One property alone, in the pass of its own generator judged by it alone."""
-    (result,) = run_pass(Pass(prop.scenarios, (prop,)), runner, options, coverage, confirm_pool)
-    return result
-
-
 @dataclass
 class Passes:
     """The passes of ``chosen`` (`pipemetrics.properties.catalogue.passes`), each run when a
@@ -287,19 +275,22 @@ class Passes:
     options: RunOptions
     coverage: Coverage
     confirm_pool: Runner | None = None
-    done: dict[Generator, list[PropertyResult]] = field(default_factory=dict)
+    done: dict[Pass, list[PropertyResult]] = field(default_factory=dict)
+    order: list[Pass] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.order = passes(self.chosen)
 
     def result_of(self, prop: Property) -> PropertyResult:
-        """``prop``'s one result, from every pass that judges it (run now where not yet)."""
-        order = passes(self.chosen)
-        judged = [held for held in order if prop in held.judges]
-        if not judged:
-            return run_property(prop, self.runner, self.options, self.coverage, self.confirm_pool)
+        """``prop``'s one result, from every pass that judges it (run now where not yet; a
+        property not chosen, in a pass of its own generator judged by it alone)."""
+        judged = [held for held in self.order if prop in held.judges]
+        judged = judged or [Pass(prop.scenarios, (prop,))]
         for held in judged:
-            if held.generator not in self.done:
-                self.done[held.generator] = run_pass(
+            if held not in self.done:
+                self.done[held] = run_pass(
                     held, self.runner, self.options, self.coverage, self.confirm_pool
                 )
-        mine = [r for held in judged for r in self.done[held.generator] if r.id == prop.id]
-        (result,) = combined(mine, order)
+        mine = [r for held in judged for r in self.done[held] if r.id == prop.id]
+        (result,) = combined(mine, self.order)
         return result

@@ -125,16 +125,18 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 
 SELECTED = pytest.StashKey[set[str]]()
-"""The property IDs whose tests this pytest process collected and kept (after ``-k``)."""
+"""The property IDs whose tests this pytest process collected and kept (after ``-k``), the
+skip list's left out."""
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     ours = [item for item in items if item.get_closest_marker("pipemetrics_property")]
-    config.stash[SELECTED] = {_property_id(item) for item in ours}
+    config.stash[SELECTED] = set()
     if not ours:
         return
     skip, xfail = _lists(config)
+    config.stash[SELECTED] = {_property_id(item) for item in ours} - skip
     for item in ours:
         property_id = _property_id(item)
         if property_id in skip:
@@ -285,20 +287,17 @@ def pipemetrics_passes(
     pipemetrics_confirm_pool: Any,
 ) -> Any:
     """The generator passes of this pytest process, each run once, when a test first needs it:
-    judged by the properties whose tests were selected, of the profile, that the target
-    defines and the skip list does not hold, as ``check`` judges them."""
+    judged by the properties whose tests were selected and not skipped (`SELECTED`), of the
+    profile, that the target defines, as ``check`` judges them."""
     from pipemetrics.properties.catalogue import CATALOGUE
     from pipemetrics.properties.passes import Passes
 
-    config = request.config
-    skip, _ = _lists(config)
-    selected = config.stash.get(SELECTED, set())
+    selected = request.config.stash.get(SELECTED, set())
     profile = pipemetrics_options.profile
     chosen = [
         prop
         for prop in CATALOGUE
         if prop.id in selected
-        and prop.id not in skip
         and profile in prop.profiles
         and all(name in pipemetrics_provided for name in prop.functions)
     ]
