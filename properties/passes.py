@@ -57,10 +57,12 @@ different shapes run theirs at the same time."""
 
 @dataclass
 class _Judge:
-    """One property's side of the pass: the scenarios it passed, and whether it met one it did
-    not pass (it is judged no further then)."""
+    """One property's side of the pass, on one target (``options``: the target's): the
+    scenarios it passed, and whether it met one it did not pass (it is judged no further
+    then)."""
 
     prop: Property
+    options: RunOptions
     coverage: Coverage = field(default_factory=Coverage)
     examples: int = 0
     passing: bool = True
@@ -73,12 +75,12 @@ class _Enough(BaseException):
 
 @dataclass
 class _Judging:
-    """The thread's side: runs the drawn scenarios in order, each judged by every property that
-    has passed every scenario so far (a combination's scenario by its own property alone)."""
+    """The thread's side: runs the drawn scenarios in order, each once per target, judged by
+    every property of that target that has passed every scenario so far (a combination's
+    scenario by its own property alone)."""
 
     judges: list[_Judge]
     runner: Runner
-    options: RunOptions
     drawn: queue.Queue[Scenario | None] = field(default_factory=lambda: queue.Queue(AHEAD))
     cancelled: bool = False
 
@@ -88,7 +90,7 @@ class _Judging:
 
     def work(self) -> None:
         taken: collections.deque[Scenario] = collections.deque()  # drawn, not yet judged
-        sent: set[int] = set()  # ids of those of them their worlds already hold
+        sent: set[tuple[int, str]] = set()  # (id, target) of those their worlds already hold
         more = True
         while True:
             while more and len(taken) <= SENT_AHEAD:  # wait only for the first
@@ -106,27 +108,30 @@ class _Judging:
             if self.passing and not self.cancelled:
                 self._send_ahead(sent, scenario, *taken)
                 self._judge(scenario)
-            sent.discard(id(scenario))
+            sent.difference_update({key for key in sent if key[0] == id(scenario)})
 
     def _judge(self, drawn: Scenario) -> None:
-        judges = [
-            judge
-            for judge in self.judges
-            if judge.passing and drawn.property in (None, judge.prop.id)
-        ]
-        if not judges:
-            return
-        scenario = as_judged(drawn, judges[0].prop, self.options)
+        by_target: dict[str, list[_Judge]] = {}
+        for judge in self.judges:
+            if judge.passing and drawn.property in (None, judge.prop.id):
+                by_target.setdefault(judge.options.target, []).append(judge)
+        for judges in by_target.values():
+            self._judge_on(drawn, judges)
+
+    def _judge_on(self, drawn: Scenario, judges: list[_Judge]) -> None:
+        """``drawn`` run once on the target of ``judges``, judged by each of them."""
+        first = judges[0]
+        scenario = as_judged(drawn, first.prop, first.options)
         try:
             run = self.runner.run(scenario)
         except BaseException:  # whatever it was, each judge's real test meets it again
             for judge in judges:
                 judge.passing = False
             return
-        if self.options.observe is not None:
-            self.options.observe(scenario, run)
+        if first.options.observe is not None:
+            first.options.observe(scenario, run)
         for judge in judges:
-            judged = as_judged(drawn, judge.prop, self.options)
+            judged = as_judged(drawn, judge.prop, judge.options)
             try:
                 problems = judge.prop.judge(judged, run)
             except BaseException:
@@ -138,17 +143,22 @@ class _Judging:
             judge.coverage.add_run(run)
             judge.examples += 1
 
-    def _send_ahead(self, sent: set[int], *drawn: Scenario) -> None:
+    def _send_ahead(self, sent: set[tuple[int, str]], *drawn: Scenario) -> None:
         """Lets the worlds start the scenario about to be judged and those drawn after it, in
-        order (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`: a hint; the run sends what
-        was not sent), each offered until a world takes it (``sent``: their ids)."""
-        prop = self.judges[0].prop
+        order, on each target still judged (`pipemetrics.sim.worlds.pool.WorldPool.send_ahead`:
+        a hint; the run sends what was not sent), each offered until a world takes it
+        (``sent``: their ids and targets)."""
+        firsts: dict[str, _Judge] = {}
+        for judge in self.judges:
+            if judge.passing:
+                firsts.setdefault(judge.options.target, judge)
         with contextlib.suppress(Exception):
             for scenario in drawn:
-                if id(scenario) not in sent and self.runner.send_ahead(
-                    as_judged(scenario, prop, self.options)
-                ):
-                    sent.add(id(scenario))
+                for target, judge in firsts.items():
+                    if (id(scenario), target) not in sent and self.runner.send_ahead(
+                        as_judged(scenario, judge.prop, judge.options)
+                    ):
+                        sent.add((id(scenario), target))
 
 
 def _saved(prop: Property, options: RunOptions, database: ExampleDatabase | None) -> bool:
@@ -160,7 +170,7 @@ def _saved(prop: Property, options: RunOptions, database: ExampleDatabase | None
 
 def _draw(pass_: Pass, judges: list[_Judge], runner: Runner, options: RunOptions) -> None:
     """The pass's Hypothesis test, run: each scenario judged on the thread by ``judges``."""
-    judging = _Judging(judges, runner, options)
+    judging = _Judging(judges, runner)
 
     def example(scenario: Scenario) -> None:
         raise_if_interrupted()
@@ -168,10 +178,13 @@ def _draw(pass_: Pass, judges: list[_Judge], runner: Runner, options: RunOptions
             raise _Enough
         judging.drawn.put(scenario)
 
+    own: dict[str, _Judge] = {}  # each own property's combinations once, whatever the targets
+    for judge in judges:
+        if pass_.owns(judge.prop):
+            own.setdefault(judge.prop.id, judge)
     explicit = [
         scenario
-        for judge in judges
-        if pass_.owns(judge.prop)
+        for judge in own.values()
         for scenario in combination_examples(judge.prop, options, judge.coverage)
     ]
     test = generator_test(pass_.generator, example, options, explicit, None, b"")
@@ -206,15 +219,61 @@ def run_pass(
     judge's own generator is another): the pass's where it passed every scenario, else its real
     test's, on this pass's generator, told by ``progress_for(prop)``. ``seconds``: a share of
     the pass (its time over its judges) and the real test's."""
+    (results,) = run_pass_on([(pass_, options)], runner, coverage, confirm_pool, progress_for)
+    return results
+
+
+def _draws(options: RunOptions) -> tuple[object, ...]:
+    """What decides a pass's draws besides its generator: the profile, the effort, the examples
+    and the seed."""
+    seed = options.seed if options.seed is not None else options.draws_seed
+    return options.profile, options.effort, options.max_examples, seed
+
+
+def run_pass_on(
+    targets: Sequence[tuple[Pass, RunOptions]],
+    runner: Runner,
+    coverage: Coverage,
+    confirm_pool: Runner | None = None,
+    progress_for: Callable[[Property], Callable[[str], None]] | None = None,
+) -> list[list[PropertyResult]]:
+    """`run_pass` of one generator's draws for several targets at once (each pass's judges on
+    its options' target, whose ``report_dir`` keeps its failures): each scenario drawn once
+    and run once per target still judged; each target's results, in order. Their options
+    draw alike (`_draws`), as one target's passes would."""
+    first = targets[0][1]
+    if len({(held.generator, *_draws(told)) for held, told in targets}) != 1:
+        raise ValueError("the targets of one pass draw alike: one generator, profile, effort, "
+                         "examples and seed")  # fmt: skip
     if not isinstance(runner, SharedRuns):
         runner = SharedRuns(runner)  # the real tests meet the pass's runs again
-    database = run_database(options)
-    alone = [p for p in pass_.own if _saved(p, options, database)]
-    judges = [_Judge(prop) for prop in pass_.judges if prop not in alone]
+    judges: list[list[_Judge]] = []
+    for pass_, told in targets:
+        alone = [p for p in pass_.own if _saved(p, told, run_database(told))]
+        judges.append([_Judge(prop, told) for prop in pass_.judges if prop not in alone])
+    every = [judge for mine in judges for judge in mine]
     began = time.monotonic()
-    if judges:
-        _draw(pass_, judges, runner, options)
-    share = (time.monotonic() - began) / max(len(judges), 1)
+    if every:
+        _draw(targets[0][0], every, runner, first)
+    share = (time.monotonic() - began) / max(len(every), 1)
+    return [
+        _results(pass_, told, mine, share, runner, coverage, confirm_pool, progress_for)
+        for (pass_, told), mine in zip(targets, judges, strict=True)
+    ]
+
+
+def _results(
+    pass_: Pass,
+    options: RunOptions,
+    judges: list[_Judge],
+    share: float,
+    runner: Runner,
+    coverage: Coverage,
+    confirm_pool: Runner | None,
+    progress_for: Callable[[Property], Callable[[str], None]] | None,
+) -> list[PropertyResult]:
+    """One target's results of a pass: its judges' where they passed every scenario, else
+    their real tests'."""
     by_id = {judge.prop.id: judge for judge in judges}
     results = []
     for prop in pass_.judges:

@@ -1,43 +1,54 @@
 """Every deliberately broken implementation of tests/broken fails the properties it names.
 
-Each mutant is written as a .py path target and checked (``--only``) on the properties it must
-fail, inside the test's process (`check_here`: a hard bound and leftover checks, without an
-interpreter and fork server started per run; the CLI around it is tested in
-test_properties_runner.py).
+The mutants are judged as `check --only` judges one (its listed properties, ``--seed 0``, its
+budget), but on shared passes (`MutantPasses`): for each generator and way of drawing, one pass
+drawn once, every mutant of it run on each scenario, each failure then shrunk, confirmed and
+written for replay by its property's real test on that mutant; inside the test's process, with
+a hard bound and leftover checks (`bounded_here`). The CLI around the engine is tested in
+test_properties_runner.py; a class run (below) is `check` itself (`check_here`).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipemetrics.commands.replay import replay_main
-from pipemetrics.properties.catalogue import BY_ID
+from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Generator, Pass, passes
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
+from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.diagnosis import PHRASES, Cause
-from pipemetrics.properties.effort import EFFORTS
+from pipemetrics.properties.effort import EFFORTS, get_effort
+from pipemetrics.properties.engine import PropertyResult
+from pipemetrics.properties.passes import combined, run_pass_on
+from pipemetrics.properties.run_options import RunOptions
+from pipemetrics.properties.shared import SharedRuns
+from pipemetrics.properties.tier import check_tier
 from pipemetrics.sim.mcore import installed_features
+from pipemetrics.sim.model.target import resolve_target
 from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.pool import WorldPool
 
 from .broken.mutants import MUTANTS, write_mutant
 from .broken.test_mutants_apply import NEEDS_TO_RUN, NEEDS_TO_SHOW
 from .conftest import Bounds
 from .test_pipeline_layout import NEEDS_STANDALONE_MTP as STANDALONE_MTP_REFUSED
-from .test_properties_runner import check_here
+from .test_properties_runner import bounded_here, check_here
 
 #: Mutants whose bug is in the MTP acceptance rate: with an MTP tracker that holds no acceptance
 #: counts (megatron-core 0.18) there is no rate to get wrong, so they cannot fail there.
 ACCEPTANCE_MUTANTS = frozenset(
     {"mtp_acceptance_scaled", "mtp_acceptance_unclamped_total", "mtp_empty_layer_rate_hundred"}
 )
-_NO_COUNTS = pytest.mark.skipif(
-    not installed_features().mtp_counts_acceptance,
-    reason="the installed megatron-core's MTP tracker has no acceptance counts (0.18): "
-    "an acceptance-rate bug cannot show",
+NO_COUNTS = (
+    "the installed megatron-core's MTP tracker has no acceptance counts (0.18): "
+    "an acceptance-rate bug cannot show"
 )
 
 #: Examples per property for a mutant's run with ``--seed 0`` (a found bug ends the search, so a
@@ -92,27 +103,31 @@ HYPOTHESIS_PROFILES: dict[str, str] = {
 SHRINK_SECONDS = 3
 
 
-def mutant_param(name: str) -> Any:
-    """``name``, skipped where its bug cannot show on the installed megatron-core, for every
-    reason that applies: the acceptance-rate mutants without counts, those of `NEEDS_TO_SHOW`
-    (an API the mutant's code or its bug needs is missing, e.g. a per-entry data-parallel
-    setting on 0.13-0.15), and those needing MTP in a flexible layout, a standalone MTP stage or
-    the MTP layers' own tracker slots where the release has none."""
-    marks: list[Any] = []
-    if name in ACCEPTANCE_MUTANTS:
-        marks.append(_NO_COUNTS)
+def why_not_here(name: str) -> list[str]:
+    """Every reason ``name``'s bug cannot show on the installed megatron-core: the
+    acceptance-rate mutants without counts, those of `NEEDS_TO_SHOW` (an API the mutant's code
+    or its bug needs is missing, e.g. a per-entry data-parallel setting on 0.13-0.15), and
+    those needing MTP in a flexible layout, a standalone MTP stage or the MTP layers' own
+    tracker slots where the release has none."""
+    features = installed_features()
+    reasons = []
+    if name in ACCEPTANCE_MUTANTS and not features.mtp_counts_acceptance:
+        reasons.append(NO_COUNTS)
     if name in NEEDS_TO_SHOW:
-        marks.append(pytest.mark.skip(reason=NEEDS_TO_SHOW[name]))
-    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not installed_features().layout_takes_mtp:
-        marks.append(pytest.mark.skip(reason=NO_MTP_IN_FLEXIBLE_LAYOUT))
-    if name in NEEDS_STANDALONE_MTP:
-        marks.append(STANDALONE_MTP_REFUSED)  # a skipif: skips where the layout refuses it
-    if (
-        name in NEEDS_MTP_SLOTS
-        and installed_features().mtp_router_numbering == "default_layer_number"
-    ):
-        marks.append(pytest.mark.skip(reason=NO_MTP_SLOTS))
-    return pytest.param(name, marks=marks)
+        reasons.append(NEEDS_TO_SHOW[name])
+    if name in NEEDS_MTP_IN_FLEXIBLE_LAYOUT and not features.layout_takes_mtp:
+        reasons.append(NO_MTP_IN_FLEXIBLE_LAYOUT)
+    if name in NEEDS_STANDALONE_MTP and STANDALONE_MTP_REFUSED.args[0]:
+        reasons.append(STANDALONE_MTP_REFUSED.kwargs["reason"])
+    if name in NEEDS_MTP_SLOTS and features.mtp_router_numbering == "default_layer_number":
+        reasons.append(NO_MTP_SLOTS)
+    return reasons
+
+
+def mutant_param(name: str) -> Any:
+    """``name``, skipped where its bug cannot show on the installed megatron-core
+    (`why_not_here`)."""
+    return pytest.param(name, marks=[pytest.mark.skip(reason=r) for r in why_not_here(name)])
 
 
 #: Mutants whose bug shows only with MTP layers in a flexible or virtual pipeline layout (a
@@ -141,22 +156,103 @@ NO_MTP_SLOTS = (
 )
 
 
-@pytest.mark.parametrize("name", [mutant_param(n) for n in sorted(MUTANTS)])
-def test_mutant_fails_its_properties(tmp_path: Path, bounds: Bounds, name: str) -> None:
-    """The check fails each named property, and replaying each failure file judges the same."""
+@dataclass(frozen=True)
+class Draws:
+    """How a mutant's passes draw, besides their generator and the seed (0 for every mutant):
+    the semantic profile, the Hypothesis profile and the examples per property."""
+
+    profile: Any
+    effort: str
+    examples: int
+
+
+def draws_of(name: str) -> Draws:
     mutant = MUTANTS[name]
-    path = write_mutant(name, tmp_path / "mutants")
-    code, data, output = check_here(
-        tmp_path, "--impl", str(path), "--only", *mutant.fails, "--profile", mutant.profile,
-        "--hypothesis-profile", HYPOTHESIS_PROFILES.get(name, "dev"),
-        "--max-examples", str(EXAMPLES.get(name, MAX_EXAMPLES)), "--seed", "0",
-        "--shrink-seconds", str(SHRINK_SECONDS), bounds=bounds,
-    )  # fmt: skip
-    assert data is not None, output
-    assert code == 1, output
-    found = {p["id"]: p for p in data["properties"]}
+    effort = HYPOTHESIS_PROFILES.get(name, "dev")
+    return Draws(mutant.profile, effort, EXAMPLES.get(name, MAX_EXAMPLES))
+
+
+def passes_of(name: str) -> list[Pass]:
+    """The passes `check --only` runs for the mutant's listed properties."""
+    fails = MUTANTS[name].fails
+    return passes([prop for prop in CATALOGUE if prop.id in fails])
+
+
+@dataclass
+class MutantPasses:
+    """Every mutant that can show here judged on shared passes, each run on first need: for a
+    generator and `Draws`, one pass (`pipemetrics.properties.passes.run_pass_on`) judges every
+    such mutant's listed properties of that generator, each mutant run on each scenario drawn,
+    and a property a mutant does not pass is shrunk, confirmed on the process tier and written
+    for replay by its real test on that mutant. A mutant's result for a property is then
+    `combined` over its passes, as `check` combines them."""
+
+    root: Path
+    bounds: Bounds
+    results: dict[str, list[PropertyResult]] = field(default_factory=dict)
+    output: dict[tuple[Generator, Draws], str] = field(default_factory=dict)
+    """What each pass printed, by its generator and draws."""
+
+    def results_of(self, name: str) -> tuple[dict[str, PropertyResult], str]:
+        """The mutant's result for each listed property, and the output of its passes."""
+        draws = draws_of(name)
+        for held in passes_of(name):
+            if (held.generator, draws) not in self.output:
+                self._run(held.generator, draws)
+        mine = combined(self.results.get(name, []), passes_of(name))
+        text = "\n".join(self.output[held.generator, draws] for held in passes_of(name))
+        return {result.id: result for result in mine}, text
+
+    def _options(self, name: str) -> RunOptions:
+        draws = draws_of(name)
+        effort = replace(get_effort(draws.effort), shrink_budget_s=SHRINK_SECONDS)
+        path = write_mutant(name, self.root / "mutants")
+        return RunOptions(
+            target=resolve_target(str(path)), profile=draws.profile, effort=effort,
+            max_examples=draws.examples, seed=0, database="none",
+            report_dir=self.root / name, tier=check_tier("inprocess")[0],
+        )  # fmt: skip
+
+    def _run(self, generator: Generator, draws: Draws) -> None:
+        """The pass of ``generator`` for every mutant here that draws by ``draws`` on it."""
+        members = [
+            (name, held)
+            for name in sorted(MUTANTS)
+            if not why_not_here(name) and draws_of(name) == draws
+            for held in passes_of(name)
+            if held.generator == generator
+        ]
+        targets = [(held, self._options(name)) for name, held in members]
+        options = targets[0][1]
+        bound = self.bounds(42, 420) * len(members)  # each mutant's run as `check_here` bounds it
+        ranks = options.effort.max_ranks
+        with (
+            bounded_here(bound, self.bounds(1, 10), "the mutants' pass") as text,
+            WorldPool(max_ranks=ranks, tier=options.tier) as pool,
+            WorldPool(max_ranks=ranks) as confirm_pool,  # starts worlds only to confirm
+        ):
+            found = run_pass_on(targets, SharedRuns(pool), Coverage(), confirm_pool)
+        for (name, _), results in zip(members, found, strict=True):
+            self.results.setdefault(name, []).extend(results)
+        self.output[generator, draws] = text.getvalue()
+
+
+@pytest.fixture(scope="module")
+def mutant_passes(
+    tmp_path_factory: pytest.TempPathFactory, bounds: Bounds
+) -> Iterator[MutantPasses]:
+    yield MutantPasses(tmp_path_factory.mktemp("mutant-passes"), bounds)
+
+
+@pytest.mark.parametrize("name", [mutant_param(n) for n in sorted(MUTANTS)])
+def test_mutant_fails_its_properties(
+    tmp_path: Path, mutant_passes: MutantPasses, name: str
+) -> None:
+    """Each named property fails, and replaying each failure file judges the same."""
+    mutant = MUTANTS[name]
+    found, output = mutant_passes.results_of(name)
     for property_id in mutant.fails:
-        entry = found[property_id]
+        entry = found[property_id].as_json()
         assert entry["status"] == "fail", f"{name}: {property_id} is {entry['status']}\n{output}"
         assert "PicklingError" not in (entry["message"] or "")
         assert entry["replay"] and entry["counterexample"]

@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,22 +75,32 @@ def check_here(
     """`check` inside this process: the same command (`run_check`, the arguments parsed by the
     CLI's parser) and report files, without an interpreter and a fork server started for each
     run (its worlds fork from this process's fork server, warm after the first run: about 4 s
-    less a run). Bounded like `check`: past the bound SIGALRM ends the run (its pools close
-    their worlds on the way up) and the test fails. Its worlds live in a temp dir of their own;
-    afterwards nothing is left there and no process the run started runs (the fork server and
-    its resource tracker are this process's, shared with every pool)."""
+    less a run), bounded and checked for leftovers by `bounded_here`."""
     out = tmp_path / "report.json"
     report = ["--json", str(out), "--report-dir", str(tmp_path / "pipemetrics-report")]
     # No example database unless the test names one: this process read check's default before
     # tests/conftest.py switched it off.
     parsed = build_parser().parse_args(["check", *report, "--database", "none", *args])
-    bound = bounds(42, 420)
+    with bounded_here(bounds(42, 420), bounds(1, 10), "pipemetrics check") as text:
+        code = run_check(parsed)
+    data = json.loads(out.read_text()) if out.exists() else None
+    return code, data, text.getvalue()
+
+
+@contextlib.contextmanager
+def bounded_here(bound: float, settle: float, what: str) -> Iterator[io.StringIO]:
+    """Runs of worlds inside this process, bounded like `check`: past ``bound`` seconds SIGALRM
+    ends them (their pools close their worlds on the way up) and the test fails. Their output
+    is captured (yielded), their worlds live in a temp dir of their own; afterwards nothing is
+    left there and no process they started runs (the fork server and its resource tracker are
+    this process's, shared with every pool); ``settle``: how long their processes may take to
+    end."""
     start_forkserver()  # before the private temp dir: its socket's directory outlives the run
     processes = descendants(os.getpid())
     text = io.StringIO()
 
     def timed_out(signum: int, frame: object) -> None:
-        raise CheckTimedOut(f"pipemetrics check ran past its bound of {bound:.0f} s")
+        raise CheckTimedOut(f"{what} ran past its bound of {bound:.0f} s")
 
     def started() -> set[int]:
         return descendants(os.getpid()) - processes - multiprocessing_servers()
@@ -100,18 +111,16 @@ def check_here(
         signal.setitimer(signal.ITIMER_REAL, bound)
         try:
             with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
-                code = run_check(parsed)
+                yield text
         except CheckTimedOut as exc:
             pytest.fail(f"{exc}:\n{text.getvalue()[-4000:]}")
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             tempfile.tempdir = previous_tempdir
             signal.signal(signal.SIGALRM, previous)
-        wait_for(lambda: not started() and not any(tmp.iterdir()), bounds(1, 10))
+        wait_for(lambda: not started() and not any(tmp.iterdir()), settle)
         assert not started(), f"processes left behind: {sorted(started())}"
         assert not any(tmp.iterdir()), f"left behind: {sorted(p.name for p in tmp.iterdir())}"
-    data = json.loads(out.read_text()) if out.exists() else None
-    return code, data, text.getvalue()
 
 
 def multiprocessing_servers() -> set[int]:
