@@ -1,5 +1,7 @@
-"""The property catalogue. Property IDs are a public contract: never rename or reuse one (the
-README's list of them is their guard: ``tests/test_property_ids_doc.py``).
+"""The property catalogue, the one list of property IDs (``pipemetrics check --list`` prints
+it; every other list derives from it). Property IDs are a public contract: never rename, drop
+or reuse a released one (``tests/published_property_ids.txt`` holds those a release published:
+``tests/test_property_ids_doc.py``).
 
 Each `Property` names the seed API function it tests, what it enforces (``citations``: the
 words of the API document, ``docs/megatron-common-api.txt``, the documentation of
