@@ -69,7 +69,13 @@ from pipemetrics.properties.report import (
     write_markdown,
 )
 from pipemetrics.properties.run_options import RunOptions
-from pipemetrics.properties.selection import Selection, SelectionError, select
+from pipemetrics.properties.selection import (
+    Selection,
+    SelectionError,
+    listing,
+    named,
+    select,
+)
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.tier import CHECK_TIER, check_tier
 from pipemetrics.sim.collectives.interrupt import signal_name, stop_child
@@ -123,6 +129,11 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     add_list(
         parser, "--only", dest="only", metavar="ID",
         help="run only these property IDs (or families: moe, mtp.*)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--list", dest="list_properties", action="store_true",
+        help="print the property IDs (those --only names), each with its functions, profiles "
+        "and what it enforces, in the catalogue's order, and exit",
     )  # fmt: skip
     add_report_dir(parser)
     parser.add_argument(
@@ -378,6 +389,13 @@ def _announce(
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.list_properties:  # the catalogue alone: no target, no world
+        try:
+            sys.stdout.write(listing(named(args.only)))
+        except SelectionError as exc:
+            _err(f"pipemetrics check: {exc}")
+            return EXIT_USAGE
+        return 0
     if not args.worker_json:  # before any worker, fork server or world, and before torch
         try:
             precheck_target(args.impl)

@@ -1,12 +1,15 @@
-"""The property catalogue. Property IDs are a public contract: never rename or reuse one (the
-README's list of them is their guard: ``tests/test_property_ids_doc.py``).
+"""The property catalogue, the one list of property IDs (``pipemetrics check --list`` prints
+it; every other list derives from it). Property IDs are a public contract: never rename, drop
+or reuse a released one (``tests/published_property_ids.txt`` holds those a release published:
+``tests/test_property_ids_doc.py``).
 
 Each `Property` names the seed API function it tests, what it enforces (``citations``: the
 words of the API document, ``docs/megatron-common-api.txt``, the documentation of
 ``nemo_rl.models.megatron.common``, as `Doc`; megatron-core's source, with file and release, as
 `Source`; pipemetrics' own reading as `Interpretation`: `pipemetrics.properties.citations`), the
 semantic profiles it belongs to, a strategy of scenarios (given the Hypothesis profile and the
-semantic profile) and a judge that turns the run into problems.
+semantic profile), a judge that turns the run into problems, and the combinations of two
+conditions its pass runs first (`pipemetrics.properties.combinations`).
 
 Semantic profiles:
 
@@ -50,6 +53,13 @@ from pipemetrics.properties import citations as c
 from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.citations import Citation, Doc, Interpretation, Source
+from pipemetrics.properties.combinations import (
+    LIVE_NAMES_CHANGE,
+    NAME_FIRST_RECORDED_LATER,
+    STATE_BETWEEN_CALLS,
+    Calling,
+    Combination,
+)
 from pipemetrics.properties.effort import Effort
 from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.model.scenario import Scenario
@@ -91,10 +101,18 @@ class Property:
     profiles: frozenset[Semantic] = EVERY_PROFILE
     also_calls: tuple[str, ...] = ()
     """Further API functions its scenarios call (the property is absent without any of them)."""
+    combinations: tuple[Combination, ...] = ()
+    """The bug classes of two conditions at once its pass runs first, at their floor
+    (`pipemetrics.properties.combinations`), built for what it calls (`calling`)."""
 
     @property
     def functions(self) -> tuple[str, ...]:
         return (self.function, *self.also_calls)
+
+    @property
+    def calling(self) -> Calling:
+        """What its scenarios call: its functions, with its generator's options."""
+        return Calling(self.functions, self.scenarios.options)
 
     @property
     def cites(self) -> str:
@@ -301,6 +319,7 @@ CATALOGUE: tuple[Property, ...] = (
         ),
         Generator(s.track_names_scenarios, semantic=False),
         j.checked(j.track_names_parity),
+        combinations=(LIVE_NAMES_CHANGE,),
     ),
     Property(
         "moe.no_hang",
@@ -388,6 +407,7 @@ CATALOGUE: tuple[Property, ...] = (
         (Doc("total_loss_dict – If provided, accumulate means into this dict (by name)."),),
         _moe(min_steps=1, max_steps=3, total_loss_dict=True),
         j.checked(j.moe_total_loss_dict),
+        combinations=(STATE_BETWEEN_CALLS,),
     ),
     Property(
         "moe.reset",
@@ -396,6 +416,7 @@ CATALOGUE: tuple[Property, ...] = (
         MEGATRON_CLEARS,
         _moe(min_steps=2, max_steps=3, per_layer=True),
         j.checked(j.moe_reset),
+        combinations=(STATE_BETWEEN_CALLS, NAME_FIRST_RECORDED_LATER),
     ),
     Property(
         "moe.router_mode",
@@ -474,6 +495,7 @@ CATALOGUE: tuple[Property, ...] = (
         MEGATRON_CLEARS,
         _mtp(min_steps=2, max_steps=3),
         j.checked(j.mtp_reset),
+        combinations=(STATE_BETWEEN_CALLS,),
     ),
 )
 
@@ -488,6 +510,7 @@ CATALOGUE += (
         _with(s.interleaved_scenarios),
         j.checked(j.interleaved_values),
         also_calls=(MTP,),
+        combinations=(STATE_BETWEEN_CALLS, NAME_FIRST_RECORDED_LATER),
     ),
 )
 

@@ -5,9 +5,14 @@ step), or that decides something from the first call alone, fails only when the 
 happens to draw both conditions in one scenario. Each `Combination` here names such a class,
 recognises a scenario of it (`Combination.present`, counted for every scenario, drawn or not)
 and builds the scenarios that make it at the defaults (`Combination.scenarios`): the engine runs
-them first, as Hypothesis' explicit examples, for every property listed, so every run of those
-properties holds at least that many (the class's floor). The coverage block counts each class
-and flags one below its floor (`pipemetrics.properties.coverage`).
+them first, as Hypothesis' explicit examples, for every property whose catalogue entry names the
+combination (`Property.combinations`), so every run of those properties holds at least that many
+(the class's floor). The coverage block counts each class and flags one below its floor
+(`pipemetrics.properties.coverage`).
+
+Nothing here names a property: a combination builds its scenarios for what the property calls
+(`Calling`: its API functions and its generator's options, read from its catalogue entry), so
+that the property judges every call they make.
 
 A combination that needs several steps belongs to the generator class ``multi_step`` and runs
 only where the effort generates it (``--without-class multi_step`` leaves it out, as it leaves
@@ -16,7 +21,7 @@ out the drawn step programs).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipemetrics.properties.effort import Effort
@@ -48,24 +53,51 @@ def _moe_stages_setup(mtp: bool) -> Setup:
     return Setup(world=WorldSpec(pp=2), layout=layout)
 
 
-def _calls(setup: Setup, semantic: Semantic, property_id: str) -> list[CallSpec]:
-    """The calls a property's scenario makes after each step."""
-    moe = moe_call(
-        setup.layout, semantic, loss_scale=0.5, per_layer_logging=True,
-        use_total_loss_dict=property_id == "moe.total_loss_dict", composed=True,
-    )  # fmt: skip
-    if property_id == "mtp.reset":
-        return [MtpCall(loss_scale=0.5)]
-    if property_id == "steps.interleaved":
-        return [moe, MtpCall(loss_scale=0.5)]
-    return [moe]
+MOE = "get_moe_metrics"
+MTP = "get_mtp_metrics"
 
 
-def state_between_calls(effort: Effort, semantic: Semantic, property_id: str) -> list[Scenario]:
+@dataclass(frozen=True)
+class Calling:
+    """What a property calls, and so what the scenarios a combination builds for it call: its
+    API functions (`Property.functions`) and its generator's options (`Generator.options`)."""
+
+    functions: tuple[str, ...]
+    options: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def moe(self) -> bool:
+        return MOE in self.functions
+
+    @property
+    def mtp(self) -> bool:
+        return MTP in self.functions
+
+    @property
+    def total_loss_dict(self) -> bool:
+        """Whether its ``get_moe_metrics`` calls accumulate into a ``total_loss_dict``."""
+        return dict(self.options).get("total_loss_dict") is True
+
+
+def _calls(setup: Setup, semantic: Semantic, calling: Calling) -> list[CallSpec]:
+    """The calls a property's scenario makes after each step: those of its functions."""
+    calls: list[CallSpec] = []
+    if calling.moe:
+        moe = moe_call(
+            setup.layout, semantic, loss_scale=0.5, per_layer_logging=True,
+            use_total_loss_dict=calling.total_loss_dict, composed=True,
+        )  # fmt: skip
+        calls.append(moe)
+    if calling.mtp:
+        calls.append(MtpCall(loss_scale=0.5))
+    return calls
+
+
+def state_between_calls(effort: Effort, semantic: Semantic, calling: Calling) -> list[Scenario]:
     """Three steps, a call after each: train, forward-only (nothing recorded: a call that
     remembered the first step's names or values returns them again), train."""
-    setup = _moe_stages_setup(mtp=property_id in ("mtp.reset", "steps.interleaved"))
-    calls = _calls(setup, semantic, property_id)
+    setup = _moe_stages_setup(mtp=calling.mtp)
+    calls = _calls(setup, semantic, calling)
     steps = [
         Step(records=_records(setup, 0), calls=list(calls)),
         Step(records=None, calls=list(calls)),
@@ -74,13 +106,14 @@ def state_between_calls(effort: Effort, semantic: Semantic, property_id: str) ->
     return [Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)]
 
 
-def first_recorded_later(effort: Effort, semantic: Semantic, property_id: str) -> list[Scenario]:
+def first_recorded_later(effort: Effort, semantic: Semantic, calling: Calling) -> list[Scenario]:
     """One rank (every rank records every name, so ``track_names=None`` is a documented call):
     a forward-only step and its call (nothing recorded yet), then a training step and its call,
-    without pre-initialisation: the names appear only in the later step."""
+    without pre-initialisation: the names appear only in the later step (and an MTP call after
+    each where the property calls ``get_mtp_metrics`` too)."""
     layout = ModelLayout(
         num_layers=1, moe_layer_freq=[1], routing_type="aux_loss", aux_loss_coeff=0.01,
-        z_loss_coeff=1e-3, mtp_num_layers=1 if property_id == "steps.interleaved" else 0,
+        z_loss_coeff=1e-3, mtp_num_layers=1 if calling.mtp else 0,
     )  # fmt: skip
     setup = Setup(world=WorldSpec(), layout=layout)
     unwired = MoeCall(
@@ -88,7 +121,7 @@ def first_recorded_later(effort: Effort, semantic: Semantic, property_id: str) -
         num_moe_layers=layout.num_moe_layers if semantic == "megatron" else None,
     )  # fmt: skip
     calls: list[CallSpec] = [unwired]
-    if property_id == "steps.interleaved":
+    if calling.mtp:
         calls.append(MtpCall(loss_scale=0.5))
     steps = [Step(records=None, calls=list(calls)), Step(records=_records(setup, 1), calls=calls)]
     return [Scenario(setup=setup, steps=steps, deadline_s=effort.deadline_s)]
@@ -106,7 +139,7 @@ caches the names of the first config, or keys a cache on anything but the config
 returns stale names."""
 
 
-def live_names_change(effort: Effort, semantic: Semantic, property_id: str) -> list[Scenario]:
+def live_names_change(effort: Effort, semantic: Semantic, calling: Calling) -> list[Scenario]:
     """One rank calls ``get_aux_loss_track_names`` for several configs in one process."""
     setup = Setup(layout=ModelLayout(num_layers=1))
     calls: list[CallSpec] = [TrackNamesCall(config=config) for config in LIVE_NAMES_CONFIGS]
@@ -163,61 +196,63 @@ def _has_live_names_change(scenario: Scenario) -> bool:
 class Combination:
     name: str
     what: str
-    properties: tuple[str, ...]
-    """The properties that run `scenarios` first (one floor's worth each)."""
-    scenarios: Callable[[Effort, Semantic, str], list[Scenario]]
+    scenarios: Callable[[Effort, Semantic, Calling], list[Scenario]]
+    """The scenarios that make it (one floor's worth) for a property that calls what
+    `Calling` says."""
     present: Callable[[Scenario], bool]
     generator_class: str | None = None
     """The generator class the combination belongs to (it runs only where that is generated)."""
 
+    def runs_under(self, effort: Effort) -> bool:
+        return self.generator_class is None or effort.generates(self.generator_class)
 
-COMBINATIONS: tuple[Combination, ...] = (
-    Combination(
-        "state_between_calls",
-        "state kept between calls: a later call after a step that recorded nothing (a "
-        "module-level cache, names or values remembered from an earlier step)",
-        ("moe.reset", "moe.total_loss_dict", "mtp.reset", "steps.interleaved"),
-        state_between_calls,
-        _has_state_between_calls,
-        "multi_step",
-    ),
-    Combination(
-        "name_first_recorded_later",
-        "a name first recorded in a later step while track_names is None (a plan decided at "
-        "the first call, when nothing was recorded)",
-        ("moe.reset", "steps.interleaved"),
-        first_recorded_later,
-        _has_first_recorded_later,
-        "multi_step",
-    ),
-    Combination(
-        "live_names_change",
-        "a config whose live names change between calls in one process (names cached from "
-        "an earlier config)",
-        ("track_names.router_parity",),
-        live_names_change,
-        _has_live_names_change,
-    ),
+
+STATE_BETWEEN_CALLS = Combination(
+    "state_between_calls",
+    "state kept between calls: a later call after a step that recorded nothing (a "
+    "module-level cache, names or values remembered from an earlier step)",
+    state_between_calls,
+    _has_state_between_calls,
+    "multi_step",
 )
-BY_NAME: dict[str, Combination] = {c.name: c for c in COMBINATIONS}
+NAME_FIRST_RECORDED_LATER = Combination(
+    "name_first_recorded_later",
+    "a name first recorded in a later step while track_names is None (a plan decided at "
+    "the first call, when nothing was recorded)",
+    first_recorded_later,
+    _has_first_recorded_later,
+    "multi_step",
+)
+LIVE_NAMES_CHANGE = Combination(
+    "live_names_change",
+    "a config whose live names change between calls in one process (names cached from "
+    "an earlier config)",
+    live_names_change,
+    _has_live_names_change,
+)
+COMBINATIONS: tuple[Combination, ...] = (
+    STATE_BETWEEN_CALLS,
+    NAME_FIRST_RECORDED_LATER,
+    LIVE_NAMES_CHANGE,
+)
+"""Every combination, each counted in every scenario's coverage; a catalogue entry names those
+its property runs first (`Property.combinations`)."""
 
 
-def combinations_for(property_id: str, effort: Effort) -> list[Combination]:
-    """The combinations a property runs under ``effort``."""
-    return [
-        c
-        for c in COMBINATIONS
-        if property_id in c.properties
-        and (c.generator_class is None or effort.generates(c.generator_class))
-    ]
+def combinations_under(combinations: Sequence[Combination], effort: Effort) -> list[Combination]:
+    """Those of ``combinations`` (a property's) that run under ``effort``."""
+    return [c for c in combinations if c.runs_under(effort)]
 
 
-def combination_scenarios(property_id: str, effort: Effort, semantic: Semantic) -> list[Scenario]:
-    """Every scenario the property runs first (its combinations at their floor)."""
+def combination_scenarios(
+    combinations: Sequence[Combination], calling: Calling, effort: Effort, semantic: Semantic
+) -> list[Scenario]:
+    """Every scenario a property that calls ``calling`` runs first: those of its
+    ``combinations`` that run under ``effort``, at their floor."""
     return [
         scenario
-        for c in combinations_for(property_id, effort)
-        for scenario in c.scenarios(effort, semantic, property_id)
+        for c in combinations_under(combinations, effort)
+        for scenario in c.scenarios(effort, semantic, calling)
     ]
 
 

@@ -25,7 +25,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from pipemetrics.properties.catalogue import Generator, Property
-from pipemetrics.properties.combinations import combinations_for
+from pipemetrics.properties.combinations import combinations_under
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import hypothesis_settings
 from pipemetrics.properties.run_options import RunOptions
@@ -81,8 +81,8 @@ def combination_examples(prop: Property, options: RunOptions, coverage: Coverage
     pass judges each by this property alone), ``coverage`` told each floor."""
     effort = options.effort
     built = []
-    for combination in combinations_for(prop.id, effort):
-        scenarios = combination.scenarios(effort, options.profile, prop.id)
+    for combination in combinations_under(prop.combinations, effort):
+        scenarios = combination.scenarios(effort, options.profile, prop.calling)
         coverage.expect(combination.name, len(scenarios))
         built += [as_judged(scenario, prop, options) for scenario in scenarios]
     return built

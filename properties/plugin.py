@@ -41,6 +41,7 @@ NOT_IN_PYTEST: dict[str, str] = {
     "--markdown": "pytest reports the results",
     "--workers": "pytest-xdist's -n",
     "--only": "pytest's -k selects tests by property ID (-k 'moe or mtp.keys')",
+    "--list": "pytest's --collect-only -q lists the tests, one per property ID",
     "--verbose": "pytest's own -v; PIPEMETRICS_VERBOSE=1 shows the import warnings",
 }
 """``pipemetrics check`` options the plugin does not offer, each with the pytest way instead

@@ -7,10 +7,11 @@ suite growing. A trailing ``.*`` or a bare family (``moe``) selects a whole fami
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, PROPERTY_IDS, Property
+from pipemetrics.properties.catalogue import CATALOGUE, SEMANTIC_PROFILES, Property
 from pipemetrics.properties.strategies import Semantic
 
 
@@ -24,12 +25,13 @@ def read_id_list(path: str | Path) -> list[str]:
     return ids
 
 
-def expand(pattern: str) -> list[str]:
-    """Property IDs matched by an ID, ``family.*`` or a bare family name."""
-    if pattern in PROPERTY_IDS:
+def expand(pattern: str, catalogue: Sequence[Property] = CATALOGUE) -> list[str]:
+    """Property IDs of ``catalogue`` matched by an ID, ``family.*`` or a bare family name."""
+    ids = [p.id for p in catalogue]
+    if pattern in ids:
         return [pattern]
     family = pattern.removesuffix(".*")
-    return [pid for pid in PROPERTY_IDS if pid.split(".")[0] == family]
+    return [pid for pid in ids if pid.split(".")[0] == family]
 
 
 @dataclass
@@ -44,14 +46,29 @@ class SelectionError(ValueError):
     """An ``--only`` ID that matches nothing (a usage error)."""
 
 
-def _matched(ids: list[str], source: str, warnings: list[str]) -> set[str]:
+def _matched(
+    ids: list[str], source: str, warnings: list[str], catalogue: Sequence[Property]
+) -> set[str]:
     found: set[str] = set()
     for pid in ids:
-        hits = expand(pid)
+        hits = expand(pid, catalogue)
         if not hits:
             warnings.append(f"{source}: {pid!r} is not a pipemetrics property ID (any more)")
         found.update(hits)
     return found
+
+
+def named(only: list[str] | None, catalogue: Sequence[Property] = CATALOGUE) -> list[Property]:
+    """The properties of ``catalogue`` that ``only``'s IDs and families match (all of them
+    without ``only``), in its order; an ID that matches nothing is a `SelectionError`."""
+    if not only:
+        return list(catalogue)
+    unknown = [pid for pid in only if not expand(pid, catalogue)]
+    if unknown:
+        known = ", ".join(p.id for p in catalogue)
+        raise SelectionError(f"--only: unknown property IDs {unknown}; known: {known}")
+    wanted = {hit for pid in only for hit in expand(pid, catalogue)}
+    return [p for p in catalogue if p.id in wanted]
 
 
 def select(
@@ -60,38 +77,54 @@ def select(
     xfail_file: str | None = None,
     *,
     profile: Semantic = "seed",
+    catalogue: Sequence[Property] = CATALOGUE,
 ) -> Selection:
     """The properties of ``profile`` to run (``--only`` narrows them), with the skip and xfail
     lists. An ``--only`` ID of another profile is a `SelectionError` naming its profiles."""
     warnings: list[str] = []
-    chosen = [p.id for p in CATALOGUE if profile in p.profiles]
+    chosen = [p.id for p in catalogue if profile in p.profiles]
     if only:
-        unknown = [pid for pid in only if not expand(pid)]
-        if unknown:
-            raise SelectionError(
-                f"--only: unknown property IDs {unknown}; known: {', '.join(PROPERTY_IDS)}"
-            )
-        wanted = {hit for pid in only for hit in expand(pid)}
-        elsewhere = sorted(pid for pid in wanted if pid not in chosen)
+        wanted = named(only, catalogue)
+        elsewhere = [p for p in wanted if p.id not in chosen]
         if elsewhere:
-            profiles = sorted({sem for pid in elsewhere for sem in BY_ID[pid].profiles})
+            profiles = sorted({sem for p in elsewhere for sem in p.profiles})
             text = (
-                f"--only: {', '.join(elsewhere)} not part of the {profile} profile "
-                f"(use --profile {' or '.join(profiles)})"
+                f"--only: {', '.join(sorted(p.id for p in elsewhere))} not part of the "
+                f"{profile} profile (use --profile {' or '.join(profiles)})"
             )
-            if not wanted & set(chosen):
+            if len(elsewhere) == len(wanted):
                 raise SelectionError(text)
             warnings.append(text)
-        chosen = [pid for pid in chosen if pid in wanted]
+        chosen = [p.id for p in wanted if p.id in chosen]
     skip = (
-        _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings)
+        _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings, catalogue)
         if skip_file
         else set()
     )
     xfail = (
-        _matched(read_id_list(xfail_file), f"xfail list {xfail_file}", warnings)
+        _matched(read_id_list(xfail_file), f"xfail list {xfail_file}", warnings, catalogue)
         if xfail_file
         else set()
     )
-    props = [p for p in CATALOGUE if p.id in chosen]
+    props = [p for p in catalogue if p.id in chosen]
     return Selection(props, skip, xfail, warnings)
+
+
+def listing(properties: Sequence[Property]) -> str:
+    """One line per property, in the order given: its ID, the API functions it calls, its
+    semantic profiles and what it enforces (``pipemetrics check --list``)."""
+    rows = [
+        (
+            p.id,
+            "+".join(p.functions),
+            ",".join(s for s in SEMANTIC_PROFILES if s in p.profiles),
+            p.summary,
+        )
+        for p in properties
+    ]
+    widths = [max((len(row[i]) for row in rows), default=0) for i in range(3)]
+    return "".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True))
+        + f"  {row[3]}\n"
+        for row in rows
+    )

@@ -20,13 +20,13 @@ per step, rank, microbatch, slot and name; ``loss_scale`` 0.5).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from pipemetrics.properties.catalogue import BROADCAST, BY_ID, CATALOGUE, MOE, MTP
+from pipemetrics.properties.catalogue import BROADCAST, BY_ID, CATALOGUE, MOE, MTP, Property
 from pipemetrics.properties.strategies import (
     KNOWN_NAMES,
     SEED_LOSS_SCALE_FORMS,
@@ -325,9 +325,9 @@ class Case(Frozen):
             MTP_PROPERTIES if MTP in called else ()
         )
         if {MOE, MTP} <= called:
-            found += ("steps.interleaved",)
+            found += BOTH_PROPERTIES
         if not self.arguments.total_loss_dict:
-            found = tuple(p for p in found if p != "moe.total_loss_dict")  # nothing to judge
+            found = tuple(p for p in found if p not in TOTAL_LOSS_DICT)  # nothing to judge
         return tuple(p for p in found if bound.profile in BY_ID[p].profiles)
 
     def scenario(self, target: str, bound: Bound, defined: frozenset[str]) -> Scenario:
@@ -382,13 +382,25 @@ LEFT_TO_CHECK: Mapping[str, str] = MappingProxyType(
 )
 """The catalogue's properties no prove case judges, each with why; every other property of the
 catalogue is judged by the cases of its function (tests/test_prove.py holds this)."""
-MOE_PROPERTIES = tuple(
-    p.id for p in CATALOGUE
-    if p.function == MOE and p.id.startswith("moe.") and p.id not in LEFT_TO_CHECK
-)  # fmt: skip
-"""The MoE case's properties: the catalogue's ``moe.*`` ones, in its order."""
-MTP_PROPERTIES = tuple(p.id for p in CATALOGUE if p.function == MTP and p.id not in LEFT_TO_CHECK)
+
+
+def properties_calling(
+    functions: tuple[str, ...], catalogue: Sequence[Property] = CATALOGUE
+) -> tuple[str, ...]:
+    """The IDs of the catalogue's properties that call exactly ``functions``, in its order
+    (those of `LEFT_TO_CHECK` left out): what prove's cases of those functions judge."""
+    return tuple(p.id for p in catalogue if p.functions == functions and p.id not in LEFT_TO_CHECK)
+
+
+MOE_PROPERTIES = properties_calling((MOE,))
+"""The MoE case's properties: the catalogue's ``get_moe_metrics`` ones, in its order."""
+MTP_PROPERTIES = properties_calling((MTP,))
 """The MoE/MTP case's MTP properties: the catalogue's ``get_mtp_metrics`` ones, in its order."""
+BOTH_PROPERTIES = properties_calling((MOE, MTP))
+"""The properties of a case that calls both functions (``steps.interleaved``)."""
+TOTAL_LOSS_DICT = frozenset(p.id for p in CATALOGUE if p.calling.total_loss_dict)
+"""The properties whose generator passes a ``total_loss_dict``: a case without one has nothing
+for them to judge."""
 
 
 def default_program(steps: int) -> tuple[StepPlan, ...]:
@@ -518,8 +530,15 @@ class BroadcastCase(Frozen):
         )  # fmt: skip
 
 
-BROADCAST_VALID = ("broadcast.roundtrip", "broadcast.receiver_buffer")
-BROADCAST_INVALID = ("broadcast.value_error", "broadcast.errors_everywhere")
+def _draws_invalid(property_id: str) -> bool:
+    return dict(BY_ID[property_id].scenarios.options).get("mode") == "invalid"
+
+
+BROADCAST_INVALID = tuple(filter(_draws_invalid, properties_calling((BROADCAST,))))
+"""The broadcast properties of a case with an invalid input: those whose generator draws
+invalid inputs (``mode="invalid"``), in the catalogue's order."""
+BROADCAST_VALID = tuple(p for p in properties_calling((BROADCAST,)) if p not in BROADCAST_INVALID)
+"""The broadcast properties of a case whose inputs are all valid: the others."""
 
 
 def _invalid_buffer(kind: Invalid, shape: list[int], dtype: str) -> BufferSpec:

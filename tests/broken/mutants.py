@@ -14,6 +14,7 @@ instead of silently producing a copy without the bug.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
@@ -35,8 +36,8 @@ SEED_FUNCTIONS: frozenset[str] = frozenset(
     }
 )
 
-#: Conformance property IDs the mutants may refer to: the catalogue's (the stable ones are held
-#: by tests/test_properties_strategies.py).
+#: Conformance property IDs the mutants may refer to: the catalogue's (the published ones are
+#: held by tests/test_property_ids_doc.py).
 PROPERTY_IDS: frozenset[str] = frozenset(CATALOGUE_IDS)
 
 SimOutcome = Literal["deadlock", "mismatch", "crash"]
@@ -1052,6 +1053,12 @@ _MUTANTS: list[Mutant] = [
 
 MUTANTS: dict[str, Mutant] = {m.name: m for m in _MUTANTS}
 assert len(MUTANTS) == len(_MUTANTS), "duplicate mutant names"
+
+
+def without_mutant(property_ids: Iterable[str], mutants: Iterable[Mutant]) -> list[str]:
+    """The IDs of ``property_ids`` that no mutant of ``mutants`` fails, in their order."""
+    failed = {p for mutant in mutants for p in mutant.fails}
+    return [pid for pid in property_ids if pid not in failed]
 
 
 def reference_source() -> str:
