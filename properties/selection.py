@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, PROPERTY_IDS, Property
-from pipemetrics.properties.strategies import Semantic
+from pipemetrics.properties.effort import Semantic
 
 
 def read_id_list(path: str | Path) -> list[str]:
