@@ -14,6 +14,7 @@ from pipemetrics.properties.judging import (
     held_zero_names,
     is_mean,
     is_per_layer,
+    keyed_per_rank,
     keyed_problems,
     per_rank,
     reported,
@@ -99,25 +100,13 @@ def moe_names(scenario: Scenario, run: WorldRun) -> list[str]:
 @guarded
 def moe_per_layer(scenario: Scenario, run: WorldRun) -> list[str]:
     """With per_layer_logging, ``moe/{name}_layer_{i}`` = loss_scale * v[i], nothing else."""
-    return per_rank(
-        scenario,
-        run,
-        MoeCall,
-        lambda view, rank, exp, act: keyed_problems(exp, act, is_per_layer, "per-layer"),
-        is_per_layer,
-    )
+    return keyed_per_rank(scenario, run, MoeCall, is_per_layer, "per-layer")
 
 
 @guarded
 def moe_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Means and per-layer values equal the oracle's (router mode: megatron's own records)."""
-    return per_rank(
-        scenario,
-        run,
-        MoeCall,
-        lambda v, r, exp, act: keyed_problems(exp, act, every_key, ""),
-        every_key,
-    )
+    return keyed_per_rank(scenario, run, MoeCall, every_key)
 
 
 @guarded
@@ -201,6 +190,6 @@ def moe_total_loss_dict(scenario: Scenario, run: WorldRun) -> list[str]:
                 problems.append(f"{where(view, rank)}: no total_loss_dict was reported")
                 continue
             got = reported(got, want, held)
-            for line in keyed_problems(want, got, lambda k: True, "total_loss_dict"):
+            for line in keyed_problems(want, got, every_key, "total_loss_dict"):
                 problems.append(f"{where(view, rank)}: total_loss_dict {line}")
     return problems

@@ -7,7 +7,7 @@ from typing import Any
 from pipemetrics.properties.judging import (
     every_key,
     guarded,
-    keyed_problems,
+    keyed_per_rank,
     per_rank,
     scaled_problems,
 )
@@ -85,10 +85,4 @@ def mtp_acceptance_rate(scenario: Scenario, run: WorldRun) -> list[str]:
 @guarded
 def mtp_all_values(scenario: Scenario, run: WorldRun) -> list[str]:
     """Every MTP key and value equals the oracle's."""
-    return per_rank(
-        scenario,
-        run,
-        MtpCall,
-        lambda v, r, exp, act: keyed_problems(exp, act, every_key, ""),
-        every_key,
-    )
+    return keyed_per_rank(scenario, run, MtpCall, every_key)

@@ -4,13 +4,15 @@ since the previous call of its function (``moe.reset``, ``mtp.reset``, ``steps.i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pipemetrics.properties.judges_moe import moe_all_values
 from pipemetrics.properties.judges_mtp import mtp_all_values
 from pipemetrics.properties.judging import guarded, where
 from pipemetrics.properties.reachable import dev_recorded_mtp
 from pipemetrics.properties.runview import call_views
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
-from pipemetrics.sim.model.records import MtpRecord
+from pipemetrics.sim.model.records import MtpRecord, TrackerSnapshot
 from pipemetrics.sim.model.scenario import Scenario
 from pipemetrics.sim.results.oracle import close
 from pipemetrics.sim.worlds.world import WorldRun
@@ -55,20 +57,40 @@ def _vector_problems(what: str, held: list[float], want: list[float]) -> list[st
     ]
 
 
+Vectors = list[tuple[str, list[float], list[float]]]
+"""A rank's tracker vectors before a call: (what, held, what the records since the previous call
+make of it)."""
+
+
+def _reset_problems(
+    scenario: Scenario,
+    run: WorldRun,
+    kind: type,
+    vectors: Callable[[int, int, TrackerSnapshot], Vectors],
+) -> list[str]:
+    """Each vector, of each rank before each later call of ``kind``, that holds other than the
+    records since the previous call (``vectors(step, rank, snapshot)``)."""
+    problems = []
+    for view in call_views(scenario, run):
+        if view.step == 0 or not isinstance(view.spec, kind):
+            continue
+        for rank, report in sorted(view.reports.items()):
+            for what, held, want in vectors(view.step, rank, report.snapshot):
+                for line in _vector_problems(what, held, want):
+                    problems.append(f"{where(view, rank)}: {line}")
+    return problems
+
+
 @guarded
 def moe_reset(scenario: Scenario, run: WorldRun) -> list[str]:
     """Before each later call the tracker holds only the records since the previous call;
     values match."""
-    problems = []
-    for view in call_views(scenario, run):
-        if view.step == 0 or not isinstance(view.spec, MoeCall):
-            continue
-        for rank, report in sorted(view.reports.items()):
-            recorded = _recorded_moe(scenario, view.step, rank)
-            for name, entry in report.snapshot.moe.items():
-                for line in _vector_problems(name, entry.values, recorded.get(name, [])):
-                    problems.append(f"{where(view, rank)}: {line}")
-    return problems or moe_all_values(scenario, run)
+
+    def vectors(step: int, rank: int, snapshot: TrackerSnapshot) -> Vectors:
+        recorded = _recorded_moe(scenario, step, rank)
+        return [(name, e.values, recorded.get(name, [])) for name, e in snapshot.moe.items()]
+
+    return _reset_problems(scenario, run, MoeCall, vectors) or moe_all_values(scenario, run)
 
 
 def _recorded_mtp(scenario: Scenario, step: int, rank: int) -> dict[str, list[float]]:
@@ -96,23 +118,19 @@ def _recorded_mtp(scenario: Scenario, step: int, rank: int) -> dict[str, list[fl
 def mtp_reset(scenario: Scenario, run: WorldRun) -> list[str]:
     """Before each later call the MTP tracker holds only the records since the previous call;
     values match."""
-    problems = []
-    for view in call_views(scenario, run):
-        if view.step == 0 or not isinstance(view.spec, MtpCall):
-            continue
-        for rank, report in sorted(view.reports.items()):
-            snap = report.snapshot.mtp
-            if snap is None:
-                continue
-            recorded = _recorded_mtp(scenario, view.step, rank)
-            for field in ("loss", "correct", "total", "num_tokens"):
-                held_values = getattr(snap, field)
-                if held_values is None:  # no acceptance counts (0.18, dev with collection off)
-                    continue
-                held = list(held_values)
-                for line in _vector_problems(f"MTP {field}", held, recorded.get(field, [])):
-                    problems.append(f"{where(view, rank)}: {line}")
-    return problems or mtp_all_values(scenario, run)
+
+    def vectors(step: int, rank: int, snapshot: TrackerSnapshot) -> Vectors:
+        if snapshot.mtp is None:
+            return []
+        recorded = _recorded_mtp(scenario, step, rank)
+        return [
+            (f"MTP {field}", list(held), recorded.get(field, []))
+            for field in ("loss", "correct", "total", "num_tokens")
+            # None: no acceptance counts (0.18, dev with collection off)
+            if (held := getattr(snapshot.mtp, field)) is not None
+        ]
+
+    return _reset_problems(scenario, run, MtpCall, vectors) or mtp_all_values(scenario, run)
 
 
 @guarded

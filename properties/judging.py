@@ -216,6 +216,17 @@ def every_key(key: str) -> bool:
     return True
 
 
+def keyed_per_rank(
+    scenario: Scenario, run: WorldRun, kind: type, keep: Callable[[str], bool], what: str = ""
+) -> list[str]:
+    """Missing, extra and wrong values among the keys ``keep`` selects (`keyed_problems`), on
+    every rank of every call of ``kind``, each call led by its diagnosis where one explains its
+    wrong values."""
+    return per_rank(
+        scenario, run, kind, lambda view, rank, exp, act: keyed_problems(exp, act, keep, what), keep
+    )
+
+
 def scaled_problems(
     scenario: Scenario, run: WorldRun, kind: type, keep: Callable[[str], bool]
 ) -> list[str]:

@@ -83,15 +83,9 @@ def select(
                 raise SelectionError(text)
             warnings.append(text)
         chosen = [pid for pid in chosen if pid in wanted]
-    skip = (
-        _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings)
-        if skip_file
-        else set()
-    )
-    xfail = (
-        _matched(read_id_list(xfail_file), f"xfail list {xfail_file}", warnings)
-        if xfail_file
-        else set()
+    skip, xfail = (
+        _matched(read_id_list(path), f"{what} list {path}", warnings) if path else set()
+        for what, path in (("skip", skip_file), ("xfail", xfail_file))
     )
     props = [p for p in CATALOGUE if p.id in chosen]
     return Selection(props, skip, xfail, warnings)
