@@ -27,10 +27,9 @@ from tempfile import TemporaryDirectory
 
 from pipemetrics.properties.catalogue import CATALOGUE, passes
 from pipemetrics.properties.coverage import Coverage
-from pipemetrics.properties.effort import get_effort
+from pipemetrics.properties.effort import Semantic, get_effort
 from pipemetrics.properties.passes import run_pass
 from pipemetrics.properties.run_options import RunOptions
-from pipemetrics.properties.strategies import Semantic
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario
 from pipemetrics.sim.worlds.pool import LiveWorld, Tier, WorldPool

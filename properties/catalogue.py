@@ -50,7 +50,6 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 
 from pipemetrics.properties import citations as c
-from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.citations import Citation, Doc, Interpretation, Source
 from pipemetrics.properties.combinations import (
@@ -60,8 +59,26 @@ from pipemetrics.properties.combinations import (
     Calling,
     Combination,
 )
-from pipemetrics.properties.effort import Effort
-from pipemetrics.properties.strategies import Semantic
+from pipemetrics.properties.effort import Effort, Semantic
+from pipemetrics.properties.judges_broadcast import (
+    broadcast_errors_everywhere,
+    broadcast_receiver_buffer,
+    broadcast_roundtrip,
+    broadcast_value_error,
+)
+from pipemetrics.properties.judges_moe import (
+    moe_all_values,
+    moe_loss_scale,
+    moe_names,
+    moe_per_layer,
+    moe_rank_agreement,
+    moe_total_loss_dict,
+    moe_values,
+)
+from pipemetrics.properties.judges_mtp import mtp_acceptance_rate, mtp_keys, mtp_loss_scale
+from pipemetrics.properties.judges_single_rank import round_up_least_multiple, track_names_parity
+from pipemetrics.properties.judges_steps import interleaved_values, moe_reset, mtp_reset
+from pipemetrics.properties.judging import Judge, checked, no_problems
 from pipemetrics.sim.model.scenario import Scenario
 
 SEMANTIC_PROFILES: tuple[Semantic, ...] = ("seed", "megatron", "strict")
@@ -97,7 +114,7 @@ class Property:
     pipemetrics' reading (`Interpretation`); ``tests/test_citations.py`` holds each quote to the
     words it quotes."""
     scenarios: Generator
-    judge: j.Judge
+    judge: Judge
     profiles: frozenset[Semantic] = EVERY_PROFILE
     also_calls: tuple[str, ...] = ()
     """Further API functions its scenarios call (the property is absent without any of them)."""
@@ -244,7 +261,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         Generator(s.round_up_scenarios, semantic=False),
-        j.checked(j.round_up_least_multiple),
+        checked(round_up_least_multiple),
     ),
     Property(
         "broadcast.roundtrip",
@@ -260,7 +277,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         _broadcast("mixed"),
-        j.checked(j.broadcast_roundtrip),
+        checked(broadcast_roundtrip),
     ),
     Property(
         "broadcast.receiver_buffer",
@@ -273,7 +290,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         _broadcast("buffers"),
-        j.checked(j.broadcast_receiver_buffer),
+        checked(broadcast_receiver_buffer),
     ),
     Property(
         "broadcast.value_error",
@@ -282,7 +299,7 @@ CATALOGUE: tuple[Property, ...] = (
         "shape, dtype or device) raises ValueError; what its peers do is left open",
         (DOC_VALUE_ERROR,),
         _broadcast("invalid"),
-        j.broadcast_value_error,
+        broadcast_value_error,
     ),
     Property(
         "broadcast.errors_everywhere",
@@ -296,7 +313,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         _broadcast("invalid"),
-        j.broadcast_errors_everywhere,
+        broadcast_errors_everywhere,
         STRICT_ONLY,
     ),
     Property(
@@ -318,7 +335,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         Generator(s.track_names_scenarios, semantic=False),
-        j.checked(j.track_names_parity),
+        checked(track_names_parity),
         combinations=(LIVE_NAMES_CHANGE,),
     ),
     Property(
@@ -327,7 +344,7 @@ CATALOGUE: tuple[Property, ...] = (
         "every rank returns: no hang, crash, mismatched collective or exception",
         (*DOC_PREINIT, EVERY_ARGUMENT, *DOC_LOSS_SCALE_TYPE),
         _moe(),
-        j.checked(j.no_problems),
+        checked(no_problems),
     ),
     Property(
         "moe.values",
@@ -335,7 +352,7 @@ CATALOGUE: tuple[Property, ...] = (
         "per-name means equal the oracle's",
         (*DOC_MOE_RETURNS, Doc("loss_scale – Scale factor to apply to each auxiliary loss")),
         _moe(),
-        j.checked(j.moe_values),
+        checked(moe_values),
     ),
     Property(
         "moe.rank_agreement",
@@ -351,7 +368,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         _moe(),
-        j.checked(j.moe_rank_agreement),
+        checked(moe_rank_agreement),
     ),
     Property(
         "moe.names",
@@ -359,7 +376,7 @@ CATALOGUE: tuple[Property, ...] = (
         "the per-name keys are exactly the names reported",
         DOC_MOE_RETURNS,
         _moe(),
-        j.checked(j.moe_names),
+        checked(moe_names),
     ),
     Property(
         "moe.per_layer",
@@ -384,7 +401,7 @@ CATALOGUE: tuple[Property, ...] = (
             ),
         ),
         _moe(per_layer=True),
-        j.checked(j.moe_per_layer),
+        checked(moe_per_layer),
     ),
     Property(
         "moe.loss_scale",
@@ -398,7 +415,7 @@ CATALOGUE: tuple[Property, ...] = (
             *DOC_LOSS_SCALE_TYPE,
         ),
         _moe(per_layer=True, scale_one=False),
-        j.checked(j.moe_loss_scale),
+        checked(moe_loss_scale),
     ),
     Property(
         "moe.total_loss_dict",
@@ -406,7 +423,7 @@ CATALOGUE: tuple[Property, ...] = (
         "total_loss_dict accumulates the per-name means of every step",
         (Doc("total_loss_dict – If provided, accumulate means into this dict (by name)."),),
         _moe(min_steps=1, max_steps=3, total_loss_dict=True),
-        j.checked(j.moe_total_loss_dict),
+        checked(moe_total_loss_dict),
         combinations=(STATE_BETWEEN_CALLS,),
     ),
     Property(
@@ -415,7 +432,7 @@ CATALOGUE: tuple[Property, ...] = (
         "a step's result does not depend on earlier steps (the tracker is cleared)",
         MEGATRON_CLEARS,
         _moe(min_steps=2, max_steps=3, per_layer=True),
-        j.checked(j.moe_reset),
+        checked(moe_reset),
         combinations=(STATE_BETWEEN_CALLS, NAME_FIRST_RECORDED_LATER),
     ),
     Property(
@@ -427,7 +444,7 @@ CATALOGUE: tuple[Property, ...] = (
             Interpretation("on trackers filled by megatron-core's TopKRouter itself"),
         ),
         _with(s.router_scenarios),
-        j.checked(j.moe_all_values),
+        checked(moe_all_values),
     ),
     Property(
         "mtp.no_hang",
@@ -443,7 +460,7 @@ CATALOGUE: tuple[Property, ...] = (
             *DOC_LOSS_SCALE_TYPE,
         ),
         _mtp(),
-        j.checked(j.no_problems),
+        checked(no_problems),
     ),
     Property(
         "mtp.keys",
@@ -459,7 +476,7 @@ CATALOGUE: tuple[Property, ...] = (
             DOC_MTP_REDUCES,
         ),
         _mtp(),
-        j.checked(j.mtp_keys),
+        checked(mtp_keys),
     ),
     Property(
         "mtp.loss_scale",
@@ -467,7 +484,7 @@ CATALOGUE: tuple[Property, ...] = (
         "mtp_{i}_loss is the reduced loss scaled by loss_scale exactly once",
         (*DOC_MTP_SCALE, *DOC_LOSS_SCALE_TYPE),
         _mtp(scale_one=False),
-        j.checked(j.mtp_loss_scale),
+        checked(mtp_loss_scale),
     ),
     Property(
         "mtp.acceptance_rate",
@@ -486,7 +503,7 @@ CATALOGUE: tuple[Property, ...] = (
             *DOC_MTP_EMPTY_LAYER,
         ),
         _mtp(scale_one=False, masked_mtp=True),
-        j.checked(j.mtp_acceptance_rate),
+        checked(mtp_acceptance_rate),
     ),
     Property(
         "mtp.reset",
@@ -494,7 +511,7 @@ CATALOGUE: tuple[Property, ...] = (
         "a step's result does not depend on earlier steps (the tracker is cleaned)",
         MEGATRON_CLEARS,
         _mtp(min_steps=2, max_steps=3),
-        j.checked(j.mtp_reset),
+        checked(mtp_reset),
         combinations=(STATE_BETWEEN_CALLS,),
     ),
 )
@@ -508,7 +525,7 @@ CATALOGUE += (
         "call returns the oracle's values for what was recorded since the previous call",
         (*DOC_PREINIT, *DOC_MTP_RETURNS, *MEGATRON_CLEARS),
         _with(s.interleaved_scenarios),
-        j.checked(j.interleaved_values),
+        checked(interleaved_values),
         also_calls=(MTP,),
         combinations=(STATE_BETWEEN_CALLS, NAME_FIRST_RECORDED_LATER),
     ),

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pipemetrics.properties.effort import Effort
-from pipemetrics.properties.strategies import Semantic, moe_call
+from pipemetrics.properties.effort import Effort, Semantic
+from pipemetrics.properties.strategies_moe_calls import moe_call
 from pipemetrics.properties.synthetic import step_records
 from pipemetrics.sim.model.calls import CallSpec, MoeCall, MtpCall, RouterConfig, TrackNamesCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec

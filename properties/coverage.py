@@ -13,7 +13,7 @@ from typing import Any
 
 from pipemetrics.properties.combinations import COMBINATIONS, present_combinations
 from pipemetrics.properties.effort import GENERATOR_CLASSES, is_wide
-from pipemetrics.properties.strategies import LARGEST_ORDINARY_SCALE
+from pipemetrics.properties.strategies_scales import LARGEST_ORDINARY_SCALE
 from pipemetrics.sim.model.calls import NEW_GROUP, BroadcastCall, MoeCall, MtpCall, TrackNamesCall
 from pipemetrics.sim.model.layout import EvenSplit, Setup, WorldSpec
 from pipemetrics.sim.model.scenario import Scenario

@@ -12,10 +12,14 @@ own ``ci`` profile is never overwritten).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 from pipemetrics.sim.model.layout import WorldSpec
+
+Semantic = Literal["seed", "megatron", "strict"]
+"""The semantic profile: what the suite requires (`pipemetrics.properties.catalogue`)."""
 
 EFFORT_NAMES: tuple[str, ...] = ("dev", "ci", "thorough")
 

@@ -122,9 +122,23 @@ def moe_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     return problems
 
 
+def _mtp_loss_violations(setup: Setup, place: RankPlace, mtp: MtpSnapshot) -> list[str]:
+    """How a holder's MTP loss breaks the model in every layout: ``mtp_num_layers`` slots,
+    finite and >= 0, no reduce group and the installed release's avg group."""
+    where = f"rank {place.rank} MTP"
+    problems = []
+    if len(mtp.loss) != setup.layout.mtp_num_layers:
+        problems.append(f"{where}: {len(mtp.loss)} loss slots != {setup.layout.mtp_num_layers}")
+    avg = place.groups[installed_features().mtp_loss_avg_role]
+    if mtp.reduce_group is not None or mtp.avg_group != avg:
+        problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
+    if not all(0.0 <= v < math.inf for v in mtp.loss):
+        problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
+    return problems
+
+
 def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) -> list[str]:
     """How ``snapshot``'s MTP tracker breaks the model (empty: Megatron can record it)."""
-    layout = setup.layout
     holds = setup.records_mtp_loss(place.pp_rank)
     mtp = snapshot.mtp
     if mtp is None or not holds:
@@ -132,14 +146,7 @@ def mtp_violations(setup: Setup, place: RankPlace, snapshot: TrackerSnapshot) ->
     where = f"rank {place.rank} MTP"
     if installed_mtp_layout() == "loss_sums":
         return dev_mtp_violations(setup, place, mtp)
-    problems = []
-    if len(mtp.loss) != layout.mtp_num_layers:
-        problems.append(f"{where}: {len(mtp.loss)} loss slots != {layout.mtp_num_layers}")
-    avg = place.groups[installed_features().mtp_loss_avg_role]
-    if mtp.reduce_group is not None or mtp.avg_group != avg:
-        problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
-    if not all(0.0 <= v < math.inf for v in mtp.loss):
-        problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
+    problems = _mtp_loss_violations(setup, place, mtp)
     if mtp.correct is not None and mtp.total is not None:
         for i, (correct, total) in enumerate(zip(mtp.correct, mtp.total, strict=True)):
             whole = correct == int(correct) and total == int(total)
@@ -163,15 +170,9 @@ def dev_mtp_violations(setup: Setup, place: RankPlace, mtp: MtpSnapshot) -> list
     with no reduce group and the loss's avg group, as ``process_mtp_loss`` saves them."""
     layout = setup.layout
     where = f"rank {place.rank} MTP"
-    problems = []
     n = layout.mtp_num_layers
     avg = place.groups[installed_features().mtp_loss_avg_role]
-    if len(mtp.loss) != n:
-        problems.append(f"{where}: {len(mtp.loss)} loss slots != {n}")
-    if mtp.reduce_group is not None or mtp.avg_group != avg:
-        problems.append(f"{where}: groups {mtp.reduce_group}, {mtp.avg_group}")
-    if not all(0.0 <= v < math.inf for v in mtp.loss):
-        problems.append(f"{where}: loss {mtp.loss} not finite and >= 0")
+    problems = _mtp_loss_violations(setup, place, mtp)
     if mtp.per_token != layout.mtp_per_token_loss:
         problems.append(f"{where}: per-token mode {mtp.per_token}")
     if mtp.acceptance_enabled != layout.mtp_acceptance:

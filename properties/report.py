@@ -176,9 +176,15 @@ def _grid(label: str, counts: dict[str, int], widths: tuple[int, int, int]) -> l
     ]
 
 
+def _wrapped(text: str) -> str:
+    """``text`` as a line of the coverage block, wrapped at `COVERAGE_WIDTH`."""
+    return textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ") + "\n"
+
+
 def _warning(what: str, names: list[str]) -> str:
-    text = f"WARNING: {what} never generated (by the properties that ran): {', '.join(names)}"
-    return textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
+    return _wrapped(
+        f"WARNING: {what} never generated (by the properties that ran): {', '.join(names)}"
+    )
 
 
 def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
@@ -205,34 +211,23 @@ def print_coverage(coverage: dict[str, Any], out: TextIO) -> None:
         for line in _grid(label, table, widths):
             out.write(line + "\n")
     if coverage.get("classes_never_generated"):
-        out.write(_warning("generator classes", coverage["classes_never_generated"]) + "\n")
+        out.write(_warning("generator classes", coverage["classes_never_generated"]))
     if coverage.get("never_seen"):
-        out.write(_warning("rare cases", coverage["never_seen"]) + "\n")
+        out.write(_warning("rare cases", coverage["never_seen"]))
     combinations = coverage.get("combinations", {})
     ran = {name: c for name, c in combinations.items() if c.get("floor")}
     if ran:
-        text = "combinations: " + ", ".join(
-            f"{n} {c['count']} (floor {c['floor']})" for n, c in ran.items()
-        )
         out.write(
-            textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
-        )
-        out.write("\n")
-    if coverage.get("combinations_below_floor"):
-        text = "WARNING: combinations below their floor: " + ", ".join(
-            coverage["combinations_below_floor"]
-        )
-        out.write(
-            textwrap.fill(text, COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    ")
-        )
-        out.write("\n")
-    for note in coverage.get("notes", []):
-        out.write(
-            textwrap.fill(
-                f"NOTE: {note}", COVERAGE_WIDTH, initial_indent="  ", subsequent_indent="    "
+            _wrapped(
+                "combinations: "
+                + ", ".join(f"{n} {c['count']} (floor {c['floor']})" for n, c in ran.items())
             )
         )
-        out.write("\n")
+    if coverage.get("combinations_below_floor"):
+        below = ", ".join(coverage["combinations_below_floor"])
+        out.write(_wrapped(f"WARNING: combinations below their floor: {below}"))
+    for note in coverage.get("notes", []):
+        out.write(_wrapped(f"NOTE: {note}"))
 
 
 def _fence(text: str, lang: str = "") -> str:

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipemetrics.properties.effort import Effort
-from pipemetrics.properties.strategies import Semantic
+from pipemetrics.properties.effort import Effort, Semantic
 from pipemetrics.sim.model.scenario import Scenario
 from pipemetrics.sim.worlds.pool import Tier
 from pipemetrics.sim.worlds.world import WorldRun

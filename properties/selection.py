@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipemetrics.properties.catalogue import CATALOGUE, SEMANTIC_PROFILES, Property
-from pipemetrics.properties.strategies import Semantic
+from pipemetrics.properties.effort import Semantic
 
 
 def read_id_list(path: str | Path) -> list[str]:
@@ -96,15 +96,9 @@ def select(
                 raise SelectionError(text)
             warnings.append(text)
         chosen = [p.id for p in wanted if p.id in chosen]
-    skip = (
-        _matched(read_id_list(skip_file), f"skip list {skip_file}", warnings, catalogue)
-        if skip_file
-        else set()
-    )
-    xfail = (
-        _matched(read_id_list(xfail_file), f"xfail list {xfail_file}", warnings, catalogue)
-        if xfail_file
-        else set()
+    skip, xfail = (
+        _matched(read_id_list(path), f"{what} list {path}", warnings, catalogue) if path else set()
+        for what, path in (("skip", skip_file), ("xfail", xfail_file))
     )
     props = [p for p in catalogue if p.id in chosen]
     return Selection(props, skip, xfail, warnings)

@@ -27,12 +27,9 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from pipemetrics.properties.catalogue import BROADCAST, BY_ID, CATALOGUE, MOE, MTP, Property
-from pipemetrics.properties.strategies import (
-    KNOWN_NAMES,
-    SEED_LOSS_SCALE_FORMS,
-    Semantic,
-    every_rank_records_every_name,
-)
+from pipemetrics.properties.effort import Semantic
+from pipemetrics.properties.strategies_moe_calls import KNOWN_NAMES, every_rank_records_every_name
+from pipemetrics.properties.strategies_scales import SEED_LOSS_SCALE_FORMS
 from pipemetrics.properties.synthetic import step_records
 from pipemetrics.sim.mcore.routing import ROUTES
 from pipemetrics.sim.model.calls import (

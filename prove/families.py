@@ -13,12 +13,9 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 from pipemetrics.properties.catalogue import BROADCAST, MOE, MTP
-from pipemetrics.properties.strategies import (
-    DTYPES,
-    SEED_LOSS_SCALE_FORMS,
-    STRICT_LOSS_SCALE_FORMS,
-    Semantic,
-)
+from pipemetrics.properties.effort import Semantic
+from pipemetrics.properties.strategies_broadcast import DTYPES
+from pipemetrics.properties.strategies_scales import SEED_LOSS_SCALE_FORMS, STRICT_LOSS_SCALE_FORMS
 from pipemetrics.prove.cases import (
     LOSS_SCALE,
     ROUND_UP,

@@ -1,4 +1,4 @@
-"""Adding a property touches three places: its judge (``properties/judges.py``), its catalogue
+"""Adding a property touches three places: its judge (a ``properties/judges_*.py``), its catalogue
 entry with its generator (``properties/catalogue.py``) and a mutant that fails it
 (``tests/broken/mutants.py``). Here one is added to a copy of the catalogue, the module's
 globals untouched: a judge, an entry whose generator no other property has, the combinations
@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from pipemetrics.properties import judges as j
 from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import (
     BY_ID,
@@ -40,6 +39,7 @@ from pipemetrics.properties.combinations import (
 )
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
+from pipemetrics.properties.judging import checked
 from pipemetrics.properties.passes import run_pass
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.runview import call_views
@@ -84,7 +84,7 @@ def added(judged: list[Scenario] | None = None) -> Property:
         "the returned metrics are keyed by strings",
         (Doc("returns a dictionary of metrics."),),
         Generator(s.moe_scenarios, (("max_steps", 2), ("min_steps", 2))),
-        j.checked(judge),
+        checked(judge),
         combinations=(STATE_BETWEEN_CALLS, NAME_FIRST_RECORDED_LATER),
     )
 

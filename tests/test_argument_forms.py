@@ -16,10 +16,11 @@ import torch
 from hypothesis import HealthCheck, find, given, settings
 from pydantic import ValidationError
 
-from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage, features, generator_classes
 from pipemetrics.properties.effort import EFFORTS
+from pipemetrics.properties.strategies import moe_scenarios, mtp_scenarios
+from pipemetrics.properties.strategies_scales import LARGEST_ORDINARY_SCALE
 from pipemetrics.properties.synthetic import VALUE_BANDS
 from pipemetrics.sim.model.calls import LOSS_SCALE_FORMS, MoeCall, MtpCall, float32_value
 from pipemetrics.sim.model.layout import ModelLayout, Setup
@@ -110,7 +111,7 @@ def test_without_the_class_only_previous_forms(prop_id: str, semantic: str) -> N
         assert "argument_forms" not in generator_classes(scenario)
         for call in _calls(scenario):
             assert call.loss_scale_form == "float"
-            assert 0 <= call.loss_scale <= s.LARGEST_ORDINARY_SCALE
+            assert 0 <= call.loss_scale <= LARGEST_ORDINARY_SCALE
 
     run()
 
@@ -132,9 +133,9 @@ def test_without_the_class_only_previous_forms(prop_id: str, semantic: str) -> N
 def test_the_class_generates_every_form(strategy: str, feature: str) -> None:
     kind, semantic = strategy.split("_")
     scenarios = (
-        s.moe_scenarios(CI, semantic)  # type: ignore[arg-type]
+        moe_scenarios(CI, semantic)  # type: ignore[arg-type]
         if kind == "moe"
-        else s.mtp_scenarios(CI, semantic)  # type: ignore[arg-type]
+        else mtp_scenarios(CI, semantic)  # type: ignore[arg-type]
     )
     found = find(scenarios, lambda sc: feature in features(sc), settings=FIND)
     if feature != "loss_scale=0":
@@ -144,20 +145,20 @@ def test_the_class_generates_every_form(strategy: str, feature: str) -> None:
 def test_strict_generates_float32_numpy_and_tensor_dtypes() -> None:
     for form in ("numpy.float32", "tensor.float32", "tensor.float64"):
         find(
-            s.moe_scenarios(CI, "strict"),
+            moe_scenarios(CI, "strict"),
             lambda sc, form=form: any(c.loss_scale_form == form for c in _calls(sc)),  # type: ignore[misc]
             settings=FIND,
         )
 
 
 @FAST
-@given(s.moe_scenarios(CI, "seed", min_steps=2, max_steps=3, total_loss_dict=True))
+@given(moe_scenarios(CI, "seed", min_steps=2, max_steps=3, total_loss_dict=True))
 def test_one_sign_per_scenario_and_no_huge_loss_under_a_large_scale(scenario: Scenario) -> None:
     calls = _calls(scenario)
     assert len({c.loss_scale_form for c in calls}) == 1
     assert len({math.copysign(1.0, c.loss_scale) for c in calls}) == 1  # no cancelling totals
     huge = VALUE_BANDS["huge"][0]
-    if any(abs(call.loss_scale) > s.LARGEST_ORDINARY_SCALE for call in calls):
+    if any(abs(call.loss_scale) > LARGEST_ORDINARY_SCALE for call in calls):
         # step programs: a step's records may meet a later step's scale, so none in the scenario
         for step in scenario.steps:
             moe = step.records.moe.values() if step.records is not None else []

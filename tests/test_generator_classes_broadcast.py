@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pipemetrics.properties import strategies as s
 from pipemetrics.properties.coverage import features, generator_classes
 from pipemetrics.properties.effort import EFFORTS
-from pipemetrics.properties.judges import whole_run
+from pipemetrics.properties.strategies import broadcast_scenarios
+from pipemetrics.properties.verdict import whole_run
 from pipemetrics.sim.model.calls import NEW_GROUP, BroadcastCall, BufferSpec
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec
 from pipemetrics.sim.model.scenario import Scenario, Step
@@ -48,7 +48,7 @@ def _broadcasts(scenario: Scenario) -> list[BroadcastCall]:
 @FAST
 @given(st.data(), MODES)
 def test_without_the_class_every_group_spans_the_world(data: st.DataObject, mode: str) -> None:
-    scenario = data.draw(s.broadcast_scenarios(WITHOUT, mode, "strict"))  # type: ignore[arg-type]
+    scenario = data.draw(broadcast_scenarios(WITHOUT, mode, "strict"))  # type: ignore[arg-type]
     world = scenario.setup.world
     assert "group_broadcast" not in generator_classes(scenario)
     for call in _broadcasts(scenario):
@@ -63,7 +63,7 @@ def test_without_the_class_every_group_spans_the_world(data: st.DataObject, mode
 def test_subgroup_broadcasts_are_consistent(data: st.DataObject, mode: str) -> None:
     """Every drawn call validates in its world; buffers go to receivers only, one per calling
     receiver under ``buffers``; every broadcasting group has exactly one source."""
-    scenario = data.draw(s.broadcast_scenarios(CI, mode, "strict"))  # type: ignore[arg-type]
+    scenario = data.draw(broadcast_scenarios(CI, mode, "strict"))  # type: ignore[arg-type]
     world = scenario.setup.world
     for call in _broadcasts(scenario):
         plan = broadcast_plan(call, world)
@@ -87,7 +87,7 @@ def _found(predicate: object, mode: str = "mixed") -> Scenario:
     from hypothesis import find
 
     return find(
-        s.broadcast_scenarios(CI, mode),  # type: ignore[arg-type]
+        broadcast_scenarios(CI, mode),  # type: ignore[arg-type]
         predicate,  # type: ignore[arg-type]
         settings=settings(
             max_examples=2000,

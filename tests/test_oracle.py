@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pipemetrics.properties.strategies import LOSS_SCALES
+from pipemetrics.properties.strategies_scales import LOSS_SCALES
 from pipemetrics.properties.synthetic import VALUE_BANDS
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import WorldSpec

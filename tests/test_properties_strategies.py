@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from pipemetrics.properties import strategies as s
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
 from pipemetrics.properties.coverage import features
 from pipemetrics.properties.effort import EFFORTS
@@ -21,7 +20,12 @@ from pipemetrics.properties.reachable import (
     tracker_violations,
 )
 from pipemetrics.properties.selection import SelectionError, read_id_list, select
-from pipemetrics.properties.synthetic import masked_mtp_layers, step_records
+from pipemetrics.properties.strategies import broadcast_scenarios, moe_scenarios, mtp_scenarios
+from pipemetrics.properties.strategies_broadcast import source_views
+from pipemetrics.properties.strategies_layouts import setups, splits
+from pipemetrics.properties.strategies_moe_calls import every_rank_records_every_name
+from pipemetrics.properties.strategies_scales import SEED_LOSS_SCALE_FORMS, loss_scales, step_scales
+from pipemetrics.properties.synthetic import masked_mtp_layers, step_records, synthetic_records
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.mcore.mtp_tracker import installed_mtp_layout
 from pipemetrics.sim.model.calls import BroadcastCall, MoeCall, MtpCall
@@ -75,7 +79,7 @@ def test_every_property_generates_valid_scenarios(prop: object, semantic: str) -
                     )
                     assert call.composed == (wired and prop.id != "steps.interleaved")
                 if isinstance(call, MoeCall | MtpCall) and semantic != "strict":
-                    assert call.loss_scale_form in (*s.SEED_LOSS_SCALE_FORMS, "default")
+                    assert call.loss_scale_form in (*SEED_LOSS_SCALE_FORMS, "default")
                 if isinstance(call, BroadcastCall) and call.non_contiguous:
                     # every profile: a transposed (>= 2 dims) or strided (>= 1 dim) view
                     assert len(call.shape) >= (1 if call.strided else 2)
@@ -91,7 +95,7 @@ def _check_documented_arguments(setup: Setup, call: MoeCall, semantic: str) -> N
         return
     assert call.track_names in (layout.recorded_track_names, None)
     assert call.mtp_num_layers == (layout.mtp_num_layers or call.mtp_num_layers)
-    if not s.every_rank_records_every_name(setup):
+    if not every_rank_records_every_name(setup):
         assert call.num_layers == layout.num_layers
         assert call.track_names == layout.recorded_track_names
 
@@ -99,8 +103,8 @@ def _check_documented_arguments(setup: Setup, call: MoeCall, semantic: str) -> N
 @FAST
 @given(st.data())
 def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
-    setup = data.draw(s.setups(CI))
-    records = data.draw(s.synthetic_records(setup))
+    setup = data.draw(setups(CI))
+    records = data.draw(synthetic_records(setup))
     places = places_for(setup.world)
     layout = setup.layout
     for rank, place in places.items():
@@ -115,8 +119,8 @@ def test_synthetic_records_are_reachable(data: st.DataObject) -> None:
 def test_synthetic_records_draw_only_what_the_installed_router_records(
     data: st.DataObject,
 ) -> None:
-    setup = data.draw(s.setups(CI))
-    records = data.draw(s.synthetic_records(setup))
+    setup = data.draw(setups(CI))
+    records = data.draw(synthetic_records(setup))
     assert installed_features().routing.refusal(setup.layout) is None  # routing it runs
     names = {r.name for recs in records.moe.values() for r in recs}
     assert names <= set(setup.layout.recorded_track_names)
@@ -261,13 +265,13 @@ def test_the_reachability_model_rejects_what_megatron_cannot_record() -> None:
 
 
 @FAST
-@given(s.broadcast_scenarios(CI, "invalid"))
+@given(broadcast_scenarios(CI, "invalid"))
 def test_invalid_broadcasts_have_an_invalid_input(scenario: Scenario) -> None:
     assert "source_none" in features(scenario) or "invalid_buffer" in features(scenario)
 
 
 @FAST
-@given(s.broadcast_scenarios(CI, "buffers"))
+@given(broadcast_scenarios(CI, "buffers"))
 def test_buffer_broadcasts_give_every_receiver_a_valid_buffer(scenario: Scenario) -> None:
     for call in scenario.steps[0].calls:
         assert isinstance(call, BroadcastCall)
@@ -293,7 +297,7 @@ RARE_SETUPS = {
 def test_rare_layouts_are_generated(name: str) -> None:
     if name == "routing_list" and not installed_features().routing.type_lists:
         pytest.skip("the installed megatron-core's router takes no list of routing types")
-    found = find(s.setups(CI), RARE_SETUPS[name], settings=FIND)
+    found = find(setups(CI), RARE_SETUPS[name], settings=FIND)
     assert RARE_SETUPS[name](found)
 
 
@@ -331,14 +335,14 @@ def test_id_lists(tmp_path: Path) -> None:
     ],
 )
 def test_strict_generates_every_argument_form(form: str) -> None:
-    found = find(s.moe_scenarios(CI, "strict"), lambda sc: form in features(sc), settings=FIND)
+    found = find(moe_scenarios(CI, "strict"), lambda sc: form in features(sc), settings=FIND)
     assert form in features(found)
 
 
 @FAST
-@given(s.moe_scenarios(CI, "seed"))
+@given(moe_scenarios(CI, "seed"))
 def test_seed_generates_only_documented_forms_where_a_stage_lacks_moe(scenario: Scenario) -> None:
-    if not s.every_rank_records_every_name(scenario.setup):
+    if not every_rank_records_every_name(scenario.setup):
         assert not {"num_layers=None", "track_names=None"} & set(features(scenario))
 
 
@@ -360,19 +364,19 @@ def test_mtp_acceptance_scenarios_mask_whole_layers_where_megatron_counts_tokens
     """The mtp.acceptance_rate generator draws MTP layers whose positions are all masked on
     every rank (what process_mtp_loss records as loss 0, 0 of 0 tokens) where the installed
     tracker records token counts; elsewhere no layer is masked on purpose."""
-    masked = s.mtp_scenarios(CI, "seed", scale_one=False, masked_mtp=True)
+    masked = mtp_scenarios(CI, "seed", scale_one=False, masked_mtp=True)
     if installed_features().mtp_counts_acceptance:
         assert _masked_layer(find(masked, _masked_layer, settings=FIND))
     else:
-        setup = find(s.setups(CI, min_mtp=1), lambda _: True)
+        setup = find(setups(CI, min_mtp=1), lambda _: True)
         assert find(masked_mtp_layers(setup), lambda _: True) == frozenset()
 
 
 @FAST
 @given(st.data())
 def test_masked_mtp_layers_stay_reachable(data: st.DataObject) -> None:
-    setup = data.draw(s.setups(CI, min_mtp=1))
-    records = data.draw(s.synthetic_records(setup, masked_mtp=True))
+    setup = data.draw(setups(CI, min_mtp=1))
+    records = data.draw(synthetic_records(setup, masked_mtp=True))
     places = places_for(setup.world)
     snapshots = recorded_snapshots(
         places, records, installed_features().moe_dp_rule, setup.layout.mtp_acceptance
@@ -390,12 +394,12 @@ def test_pieces_drawn_inside_other_draws_are_built_once_per_arguments() -> None:
     assert sampled(["a", "b"]) is not sampled(("b", "a"))
     assert sampled([0, 1]) is not sampled([False, True])  # equal, but not the same values
     assert find(sampled([False, True]), lambda value: value) is True
-    assert s.loss_scales(1, large=True) is not s.loss_scales(True, large=True)
-    assert s.splits(2, 3, flexible=True) is s.splits(2, 3, flexible=True)
-    assert s.splits(2, 3) is not s.splits(3, 3)
-    assert s.step_scales(2, 1, allow_one=True, forms=False, sign=1.0) is s.step_scales(
+    assert loss_scales(1, large=True) is not loss_scales(True, large=True)
+    assert splits(2, 3, flexible=True) is splits(2, 3, flexible=True)
+    assert splits(2, 3) is not splits(3, 3)
+    assert step_scales(2, 1, allow_one=True, forms=False, sign=1.0) is step_scales(
         2, 1, allow_one=True, forms=False, sign=1.0
     )
-    assert s.source_views([2, 3]) is s.source_views([4, 1, 1])
-    assert s.source_views([2]) is not s.source_views([2, 3])
+    assert source_views([2, 3]) is source_views([4, 1, 1])
+    assert source_views([2]) is not source_views([2, 3])
     assert token_counts(correct_tokens) is token_counts(correct_tokens)

@@ -18,7 +18,8 @@ from pipemetrics.commands.prove_options import (
     bound_from_args,
 )
 from pipemetrics.properties.catalogue import CATALOGUE, PROPERTY_IDS
-from pipemetrics.properties.strategies import DTYPES, every_rank_records_every_name
+from pipemetrics.properties.strategies_broadcast import DTYPES
+from pipemetrics.properties.strategies_moe_calls import every_rank_records_every_name
 from pipemetrics.prove.cases import LEFT_TO_CHECK
 from pipemetrics.prove.families import FAMILIES, FAMILY_NAMES
 from pipemetrics.prove.prover import (

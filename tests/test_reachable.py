@@ -13,9 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipemetrics.properties import strategies as s
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.reachable import recorded_snapshots, tracker_violations
+from pipemetrics.properties.strategies_layouts import setups
+from pipemetrics.properties.synthetic import synthetic_records
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import (
@@ -101,8 +102,8 @@ def test_megatron_router_records_only_reachable_states(pool: TrackingPool, name:
 def test_model_snapshots_equal_megatrons_own_recording(
     pool: TrackingPool, data: st.DataObject
 ) -> None:
-    setup = data.draw(s.setups(EFFORTS["dev"]))
-    records = data.draw(s.synthetic_records(setup))
+    setup = data.draw(setups(EFFORTS["dev"]))
+    records = data.draw(synthetic_records(setup))
     scenario = Scenario(setup=setup, steps=[Step(records=records, calls=[MtpCall()])])
     run = pool.run(scenario)
     places = {rank: result.place for rank, result in run.ranks.items()}

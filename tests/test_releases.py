@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from pipemetrics.properties.judges import whole_run
+from pipemetrics.properties.verdict import whole_run
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
 from pipemetrics.sim.model.layout import ModelLayout, Setup, WorldSpec

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pipemetrics.properties import judges
+from pipemetrics.properties import judges_moe
 from pipemetrics.properties.runview import as_made, call_views
 from pipemetrics.sim.collectives.protocol import CallReport, ComposedNames
 from pipemetrics.sim.model.calls import MoeCall
@@ -108,7 +108,7 @@ def test_the_lineage_copy_exchanges_the_values_only_when_wired(
         scenario = Scenario(setup=setup, target=target, steps=[Step(records=records,
                             calls=[call])], profile="seed", deadline_s=60.0)  # fmt: skip
         run = pool.run(scenario)
-        outcomes[call.track_names_from] = judges.moe_values(scenario, run)
+        outcomes[call.track_names_from] = judges_moe.moe_values(scenario, run)
         if call is WIRED:
             (view,) = call_views(scenario, run)
             derived = {rank: report.composed for rank, report in view.reports.items()}
