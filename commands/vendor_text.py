@@ -12,10 +12,10 @@ reference), 2 when the file cannot be read or has no vendored header. Nothing he
 or megatron-core.
 
 ``vendor DEST --megatron-core X.Y`` writes the reference cut for one release instead
-(`cut_source`): without the parts marked ``# only: SPEC`` (or sections ending ``(only: SPEC)``)
-whose SPEC does not name the release, its tested range narrowed to it, behind the same header
-plus a line naming the release (``--check`` reads it back from there). docs/reference.md has the
-marker rules and what each cut drops.
+(`cut_source`): without the parts marked ``# only: SPEC`` (or sections, comment runs and
+docstring paragraphs ending ``(only: SPEC)``) whose SPEC does not name the release, its tested
+range narrowed to it, behind the same header plus a line naming the release (``--check`` reads
+it back from there). docs/reference.md has the marker rules and what each cut drops.
 """
 
 from __future__ import annotations
@@ -43,13 +43,22 @@ _RELEASE_OPTION = " --megatron-core "
 #: no fixed API, and dev calls itself 0.19.0; they take the full file.
 CUT_RELEASES = ("0.13", "0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
 SNAPSHOTS = ("main", "dev")
+#: What a SPEC may name besides releases: the full file, which no cut is (a passage marked
+#: ``full`` only explains the releases side by side, and every cut drops it).
+FULL = "full"
 #: A marker: ``# only: SPEC`` after the code of a line (the statement, ``else:`` clause or
 #: element of a literal that starts there), or ``(only: SPEC)`` ending a section line
-#: (``# ---- title``: up to the next section line). SPEC: releases, ``X.Y-X.Y`` ranges of
-#: `CUT_RELEASES`, ``main``, ``dev``, separated by commas; a bracketed remark may follow.
+#: (``# ---- title``: up to the next section line), a run of full-line comments (the run) or a
+#: paragraph of a docstring (its lines since the blank line before, which goes with them).
+#: SPEC: releases, ``X.Y-X.Y`` ranges of `CUT_RELEASES`, ``main``, ``dev``, ``full``,
+#: separated by commas; a bracketed remark may follow.
+#: The reference's line length (``ruff`` in pyproject.toml): a docstring a cut leaves one line
+#: long ends on that line where it fits, as ``ruff format`` writes it.
+LINE_LENGTH = 100
 _MARKER = re.compile(r"^#\s*only:\s*(?P<spec>[\w.\-]+(?:\s*,\s*[\w.\-]+)*)\s*(?:\(.*\))?$")
 _SECTION = re.compile(r"^# [-=]{10,} ")
 _SECTION_MARKER = re.compile(r"\(only:\s*(?P<spec>[^)]*)\)\s*$")
+_PASSAGE_MARKER = re.compile(r"\(only:\s*(?P<spec>[^)]*)\)\s*(?:\"\"\")?\s*$")
 
 
 def reference_path() -> Path:
@@ -152,7 +161,7 @@ def release_of(value: str) -> str:
 
 def marker_releases(spec: str) -> set[str]:
     """The releases a marker's SPEC names; ``ValueError`` for one it does not know."""
-    known = (*CUT_RELEASES, *SNAPSHOTS)
+    known = (*CUT_RELEASES, *SNAPSHOTS, FULL)
     releases: set[str] = set()
     for item in (part.strip() for part in spec.split(",")):
         first, _, last = item.partition("-")
@@ -165,16 +174,31 @@ def marker_releases(spec: str) -> set[str]:
     return releases
 
 
-def _marked_lines(source: str, release: str) -> set[int]:
-    """The lines (1-based) of the parts marked for releases other than ``release``."""
+def _marked_lines(source: str, release: str) -> tuple[set[int], dict[int, str]]:
+    """The lines (1-based) of the parts marked for releases other than ``release``, and the
+    lines that stand in for some of them (a docstring's closing quotes)."""
     lines = source.splitlines()
     nodes = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.stmt | ast.expr)]
     sections = [n for n, line in enumerate(lines, 1) if _SECTION.match(line)]
     dropped: set[int] = set()
+    kept: dict[int, str] = {}
+    comment_runs: list[int] = []  # the full-line comments of the run being read
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.STRING:
+            dropped.update(_marked_paragraphs(token, lines, release, kept))
         if token.type != tokenize.COMMENT:
             continue
         number, column = token.start
+        if not lines[number - 1][:column].strip() and not _SECTION.match(token.string):
+            if _MARKER.match(token.string):
+                raise ValueError(f"line {number}: a marker follows the code it marks")
+            if not comment_runs or comment_runs[-1] != number - 1:
+                comment_runs = []
+            comment_runs.append(number)
+            passage = _PASSAGE_MARKER.search(token.string)
+            if passage and release not in marker_releases(passage["spec"]):
+                dropped.update(comment_runs)
+            continue
         section = _SECTION_MARKER.search(token.string) if column == 0 else None
         if section and _SECTION.match(token.string):
             if release not in marker_releases(section["spec"]):
@@ -188,6 +212,37 @@ def _marked_lines(source: str, release: str) -> set[int]:
             raise ValueError(f"line {number}: a marker follows the code it marks")
         if release not in marker_releases(marker["spec"]):
             dropped.update(range(*_marked_span(nodes, lines, number)))
+    return dropped, kept
+
+
+def _marked_paragraphs(
+    token: tokenize.TokenInfo, lines: list[str], release: str, kept: dict[int, str]
+) -> set[int]:
+    """The lines of a string's paragraphs marked ``(only: SPEC)`` at their end for releases
+    other than ``release``, each with the blank line before it. A paragraph with the string's
+    first line cannot be marked (its quotes open the string); a marked last paragraph leaves
+    the closing quotes on a line of their own (in ``kept``, by the line they stand in for)."""
+    first, last = token.start[0], token.end[0]
+    dropped: set[int] = set()
+    start = first
+    for number in range(first, last + 1):
+        text = lines[number - 1]
+        if not text.strip():
+            start = number + 1
+            continue
+        marker = _PASSAGE_MARKER.search(text)
+        if marker is None or release in marker_releases(marker["spec"]):
+            continue
+        if start == first:
+            raise ValueError(f"line {number}: a marker ends a string's first paragraph")
+        dropped.update(range(start - 1, number + 1))
+        if number == last:  # the closing quotes stay: after a one-line rest, on its line
+            quotes = text.rstrip()[-3:]
+            joined = lines[first - 1].rstrip() + quotes
+            if start - 2 == first and len(joined) <= LINE_LENGTH:
+                kept[first] = joined
+            else:
+                kept[number] = text[: len(text) - len(text.lstrip())] + quotes
     return dropped
 
 
@@ -257,8 +312,12 @@ def cut_source(source: str, release: str) -> str:
     narrowed to that release. ``ValueError`` when the result would not parse."""
     if release not in CUT_RELEASES:
         raise ValueError(f"no cut for megatron-core {release}")
-    dropped = _marked_lines(source, release)
-    kept = [line for n, line in enumerate(source.splitlines(), 1) if n not in dropped]
+    dropped, standing_in = _marked_lines(source, release)
+    kept = [
+        standing_in.get(n, line)
+        for n, line in enumerate(source.splitlines(), 1)
+        if n not in dropped or n in standing_in
+    ]
     cut = _narrowed("\n".join(_tidy_blank_lines(kept)) + "\n", release)
     try:
         ast.parse(cut)

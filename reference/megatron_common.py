@@ -14,9 +14,12 @@ the steady state (every rank's tracker layout and arguments unchanged since the 
 which every rank establishes together in one fixed-size ``all_reduce`` it always enters.
 
 How to read it: the five functions come first, each followed by the helpers it calls, and read
-top to bottom on every release. What exists only for some megatron-core releases sits below the
-``RELEASE SEAM`` line, behind these names (each part is chosen by the API the installed release
-has, never by its version string):
+top to bottom on every release; what exists only for some megatron-core releases sits below the
+``RELEASE SEAM`` line, each part chosen by the API the installed release has, never by its
+version string. Trackers are read, reduced, cleared and cleaned through megatron-core's own API
+wherever the installed release has a right one; each place that does the work itself says why.
+
+Below the seam, by release (main and dev: the git snapshots tested, 0.20.0 and 0.19.0): (only: full)
 
     part below the seam                  0.13  0.14  0.15  0.16-0.17  0.18  0.19  main  dev
     import guard (picks the tracker API)   x     x     x       x        x     x     x    x
@@ -29,18 +32,13 @@ has, never by its version string):
     MTP layout ``values``                  x     x     x       x        x
     MTP layout ``loss_values``                                                x     x    x
     MTP layout ``loss_sums`` (per token)                                                 x
+    x: the release runs the part (only: full)
 
-``main`` and ``dev`` are the megatron-core git snapshots the suite tests (main reports 0.20.0,
-dev 0.19.0). `_reduce_mtp_tracker` and `_clean_mtp_tracker` reduce and clean a layout the
-installed release does not write. Trackers are read, reduced, cleared and cleaned through
-megatron-core's own API wherever the installed release has a right one; each place that does
-the work itself says why.
-
-On the pinned release (0.19.2) only the import guard, the ``loss_values`` layout and the
+`_reduce_mtp_tracker` and `_clean_mtp_tracker` reduce and clean a layout the installed release does
+not write. On the pinned release (0.19.2) only the import guard, the ``loss_values`` layout and the
 first lines of `_router_canonical`, `_get_group` and `_sync` run below the seam. A part marked
-``# only: RELEASES`` is left out of the copy cut for another release (``pipemetrics vendor
-DEST --megatron-core X.Y``), which refuses at import a megatron-core that needs it.
-"""
+``only: RELEASES`` is left out of the copy cut for another release (``pipemetrics vendor DEST
+--megatron-core X.Y``), which refuses at import a megatron-core that needs it. (only: full)"""
 
 from __future__ import annotations
 
@@ -866,18 +864,19 @@ def get_mtp_metrics(loss_scale: float | torch.Tensor = 1.0) -> dict[str, Any]:
     one group holding different layouts (e.g. ``calculate_per_token_loss`` on some only), makes
     every holder of the group raise the same ``ValueError`` and none enter the reduction. Then,
     when ``torch.distributed`` is initialised, the reduction of the release that wrote the
-    layout: the installed helper's own methods where it writes this layout (`_MTP_REDUCERS`:
-    ``track_mtp_metrics``' collectives exactly), else the same reduction written out
-    (`_reduce_mtp_tracker`), so every rank holding the tracker must call it.
+    layout: the installed helper's own methods (`_MTP_REDUCERS`: ``track_mtp_metrics``'
+    collectives exactly), so every rank holding the tracker must call it.
 
     Returns, for each MTP layer ``i`` (1-based), ``"mtp_{i}_loss"`` = ``loss_scale *`` the
-    reduced loss (per-token mode: summed loss over summed tokens, as dev's ``track_mtp_metrics``
-    logs it) and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)`` clamped to
-    ``[0, 100]`` (never scaled), where the tracker holds acceptance counts (`_mtp_counts`); all
-    Python floats. The tracker is cleaned afterwards (`_clean_mtp`): by the installed helper's
-    own clean (``clean_metrics_in_tracker`` on 0.19-0.20 and main; ``clean_loss_in_tracker`` on
-    0.13-0.18 and for dev's per-token layout) wherever it wrote the layout.
-    """
+    reduced loss and ``"mtp_{i}_acceptance_rate"`` = ``100 * correct / max(total, 1)`` clamped
+    to ``[0, 100]`` (never scaled), where the tracker holds acceptance counts (`_mtp_counts`);
+    all Python floats. The tracker is cleaned afterwards (`_clean_mtp`) by the installed
+    helper's own clean (`_MTP_CLEANERS`) wherever it wrote the layout.
+
+    A layout the installed helper does not write (only in tests and simulations) is reduced by
+    `_reduce_mtp_tracker`; dev's per-token mode reports the summed loss over the summed tokens (as
+    its ``track_mtp_metrics`` logs it); ``clean_loss_in_tracker`` cleans on 0.13-0.18 and dev's
+    per-token layout, ``clean_metrics_in_tracker`` elsewhere. (only: dev)"""
     tracker = MTPLossLoggingHelper.tracker
     layout, problem = _classify_mtp(tracker)
     if layout is None and problem is None:
@@ -1037,11 +1036,12 @@ def _mtp_groups(tracker: dict[str, Any]) -> list[Any]:
 def _mtp_counts(
     tracker: dict[str, Any], layout: _MtpLayout, losses: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The reduced (correct, total) vectors, or ``None`` where there is no rate to report.
-    0.19-0.20's layout always has counts (missing vectors count as 0 / 1, Megatron's defaults);
+    """The reduced (correct, total) vectors, or ``None`` for no rate (the loss keys only).
+    0.19-0.20's layout always has counts (missing vectors count as 0 / 1, Megatron's defaults).
+
     dev packs them in ``acceptance_counts`` ``[2, L]``, and with acceptance collection off
     (``MTPLossLoggingHelper.configure_acceptance_collection``) Megatron neither reduces nor
-    logs them, so only the loss keys are returned, as with 0.13-0.18."""
+    logs them; 0.13-0.18's layout has none. (only: 0.13-0.18, dev)"""
     counted = layout.default_counts
     corrects = tracker.get("correct_values", torch.zeros_like(losses)).float()
     totals = tracker.get("total_values", torch.ones_like(losses)).float()
@@ -1056,12 +1056,13 @@ def _clean_mtp(tracker: dict[str, Any], layout: _MtpLayout, own_layout: bool) ->
     """Clean the tracker after logging. Where the installed helper wrote this layout, through
     the helper's own clean for it (`_MTP_CLEANERS`: what its ``track_mtp_metrics`` calls), so a
     key a later release adds is cleaned by upstream and a test observing the call sees it.
-    Otherwise (a layout another release writes: only in tests and simulations) upstream's clean
-    is wrong for it, and the reference cleans it itself (`_clean_mtp_tracker`): dev's
-    ``clean_metrics_in_tracker`` leaves ``loss_sums``, ``num_tokens`` and ``values``, 0.19's
-    leaves dev's ``acceptance_counts``, 0.13-0.18's ``clean_loss_in_tracker`` raises
-    ``KeyError`` without ``values``. For every layout a release writes, both leave the same
-    tracker (tests/test_reference_upstream.py)."""
+
+    Otherwise (a layout another release writes: only in tests and simulations) upstream's clean is
+    wrong for it, and the reference cleans it itself (`_clean_mtp_tracker`): dev's
+    ``clean_metrics_in_tracker`` leaves ``loss_sums``, ``num_tokens`` and ``values``, 0.19's leaves
+    dev's ``acceptance_counts``, 0.13-0.18's ``clean_loss_in_tracker`` raises ``KeyError`` without
+    ``values``. For every layout a release writes, both leave the same tracker
+    (tests/test_reference_upstream.py). (only: dev)"""
     if own_layout:
         getattr(MTPLossLoggingHelper, _MTP_CLEANERS[layout.marker])()
     else:  # only: dev
@@ -1323,7 +1324,7 @@ def _legacy_moe_metrics_tracker() -> _LegacyTracker:
 # ---------------------------------------------------------------- the MoE tracker, its reduction
 
 #: Megatron's MoE metrics tracker: 0.18+'s ``MoEMetricsTracker`` singleton, or the adapter of
-#: 0.13-0.17's dict tracker (`_LegacyTracker`), as the installed release has.
+#: 0.13-0.17's dict tracker (`_LegacyTracker`), as the installed release has. (only: 0.13-0.17)
 if _TRACKER_API == "class":
     get_moe_metrics_tracker: Callable[[], Any] = importlib.import_module(
         _MOE_LOGGING
@@ -1333,13 +1334,12 @@ else:  # only: 0.13-0.17
 
 
 def _sync(tracker: Any, names: list[str]) -> None:
-    """Megatron's reduction of the named entries, in order: the tracker's own
-    ``_sync_metrics`` (private API, 0.18+) when it has one, else (0.13-0.17's dict tracker, or a
-    release without that method) the same reduction written out: per name, SUM over the pipeline
-    group, SUM over its ``reduce_group``, AVG over its ``avg_group``, then, with
-    ``needs_dp_avg`` (a ``MetricEntry`` field; True when absent), AVG over the data-parallel
-    group without context parallelism. On 0.13-0.17 the values are then the same on every rank,
-    and the same as 0.18 returns for the same records."""
+    """Megatron's reduction of the named entries, in order: the tracker's own ``_sync_metrics``.
+
+    Where the tracker lacks that method (private API, 0.18+: 0.13-0.17's dict tracker, or a
+    release without it), the same reduction written out: per name, SUM over the pipeline group,
+    SUM over its ``reduce_group``, AVG over its ``avg_group``, then, with ``needs_dp_avg`` (True
+    when absent), AVG over the data-parallel group without context parallelism. (only: 0.13-0.17)"""
     if not callable(getattr(tracker, "_sync_metrics", None)):  # only: 0.13-0.17
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False)

@@ -36,7 +36,7 @@ from pipemetrics.sim.worlds.world import WorldRun
 
 from .broken.mutants import MUTANTS, write_mutant
 from .conftest import Bounds, TrackingPool, tracking_pool
-from .test_own_lines import RETURNS_EARLY, returns_early_lines
+from .test_own_lines import RETURNS_EARLY, returns_early_lines, write_fault_copy
 from .test_properties_runner import check
 from .test_sim_world import scenario_for
 
@@ -127,6 +127,30 @@ def test_the_inprocess_tier_names_the_target_s_own_lines(
         0: TargetLine(state="returned", site=f"{path}:{returned} in get_moe_metrics"),
         1: TargetLine(state="blocked", site=f"{path}:{blocked} in _sync", what="all_reduce"),
     }
+
+
+@pytest.mark.parametrize("kind", ["exit", "sleep"])
+def test_the_inprocess_tier_names_the_line_of_a_rank_that_ends_or_holds_the_host(
+    own_pool: TrackingPool, tmp_path: Path, kind: str
+) -> None:
+    """A copy whose rank 1 calls ``os._exit`` (the host process ends: rank 1 at its line, rank
+    0 died with it, without a line of its own) or sleeps past the deadline (the watchdog's
+    stack: rank 1 at its line, rank 0 blocked in the pipeline reduction)."""
+    path, line = write_fault_copy(kind, tmp_path)
+    fault = f"{path}:{line} in get_moe_metrics"
+    run = own_pool.run(scenario_for(path, deadline_s=3.0))
+    lines = target_lines(run)
+    if kind == "exit":
+        assert run.outcome.kind == "crash", run.outcome.message
+        assert lines[1] == TargetLine(state="died", site=fault, what="os._exit(3)"), lines
+        assert lines[0].state == "died" and lines[0].site is None, lines
+        assert lines[0].note == (
+            "no line of its own: rank 1 ended the in-process host, which runs every rank"
+        )
+    else:
+        assert run.outcome.kind == "timeout", run.outcome.message
+        assert lines[1] == TargetLine(state="running", site=fault), lines
+        assert lines[0].state == "blocked" and lines[0].what == "all_reduce", lines
 
 
 # -- determinism and isolation -----------------------------------------------------------------

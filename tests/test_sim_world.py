@@ -22,7 +22,7 @@ import pytest
 from pipemetrics.properties.engine import PropertyResult
 from pipemetrics.properties.report import print_failures, report_json
 from pipemetrics.properties.verdict import judge_run
-from pipemetrics.sim.collectives.own_lines import lines_json
+from pipemetrics.sim.collectives.own_lines import TargetLine, lines_json
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.mcore import installed_features
 from pipemetrics.sim.model.calls import MoeCall, MtpCall
@@ -47,7 +47,7 @@ from .conftest import (
     pid_alive,
     private_tmpdir,
 )
-from .test_own_lines import RETURNS_EARLY, returns_early_lines
+from .test_own_lines import RETURNS_EARLY, returns_early_lines, write_fault_copy
 
 SETUP = Setup(world=WorldSpec(pp=2), layout=ModelLayout(num_layers=2, moe_layer_freq=[0, 1]))
 RECORDS = StepRecords(
@@ -245,6 +245,42 @@ def test_crash_of_one_rank(pool: TrackingPool, tmp_path: Path) -> None:
         assert not any(pid_alive(p) for p in world.pids)
     after = pool.run(scenario_for("pipemetrics.reference"))
     assert after.outcome.kind == "ok", "the pool must start a fresh world after a crash"
+
+
+@pytest.mark.parametrize("kind", ["exit", "segfault", "killed", "sleep"])
+def test_a_rank_that_dies_or_outlives_the_deadline_has_its_own_line(
+    pool: TrackingPool, tmp_path: Path, kind: str
+) -> None:
+    """A copy of the reference whose rank 1 ends its process (``os._exit``, a segfault), is
+    killed, or sleeps past the deadline at a known line of ``get_moe_metrics``: the line where
+    the process left one (the os._exit record, the fatal signal's traceback, the stack at the
+    deadline), in the write-up, the picture and the JSON; for the kill, no line, and why."""
+    path, line = write_fault_copy(kind, tmp_path)
+    fault = f"{path}:{line} in get_moe_metrics"
+    scenario = scenario_for(path, deadline_s=4.0)
+    run = pool.run(scenario)
+    lines = target_lines(run)
+    expected = {
+        "exit": TargetLine(state="died", site=fault, what="os._exit(3)"),
+        "segfault": TargetLine(state="died", site=fault, what="SIGSEGV"),
+        "sleep": TargetLine(state="running", site=fault),
+    }
+    assert run.outcome.kind == ("timeout" if kind == "sleep" else "crash"), run.outcome.message
+    if kind == "killed":
+        own = lines[1]
+        assert (own.state, own.site, own.what) == ("died", None, "killed by SIGKILL"), own
+        assert own.note is not None and own.note.startswith("no line: SIGKILL"), own
+        assert "; last seen entering " in own.note and f" at {path}:" in own.note, own
+        assert "rank 1: died (killed by SIGKILL): no line: SIGKILL" in what_ranks_did(run)
+        return
+    assert lines[1] == expected[kind], lines
+    if kind == "sleep":  # rank 0 waits in the pipeline reduction meanwhile
+        assert lines[0].state == "blocked" and lines[0].what == "all_reduce", lines
+    assert f"rank 1: {expected[kind].text()}" in what_ranks_did(run)
+    assert f"rank 1: {expected[kind].text()}" in summarize(scenario, run)  # replay's account
+    assert f"{path.name}:{line} in get_moe_metrics" in layout_picture(scenario, run)
+    own_json = lines_json(lines)["1"]
+    assert (own_json["file"], own_json["line"], own_json["note"]) == (str(path), line, None)
 
 
 def test_sleeping_forever_hits_the_deadline_with_stacks(pool: TrackingPool, tmp_path: Path) -> None:

@@ -24,6 +24,19 @@ OutcomeKind = Literal["ok", "mismatch", "deadlock", "crash", "timeout", "harness
 _ROLE_PREFERENCE = ("world", "pp", "tp", "cp", "dp", "dp_cp", "tp_cp", "tp_dp_cp", "ep")
 
 
+class SeenLine(Frozen):
+    """A rank's own line of the target that no report of the rank carries, as the tier saw it:
+    where a rank that died was (its process's last record, `pipemetrics.sim.collectives.
+    own_lines`), or where a rank still running at the deadline stood (its stack then)."""
+
+    site: str | None = None
+    """``path:line in function`` in the target's files; None where none is known."""
+    what: str | None = None
+    """How a rank died (``SIGSEGV``, ``os._exit(3)``, ``killed by SIGKILL``); None otherwise."""
+    note: str | None = None
+    """Where ``site`` is None: why no line is known (or what was last seen of the rank)."""
+
+
 class Outcome(Frozen):
     """How a run ended at the level of the world (values are judged elsewhere)."""
 
@@ -35,6 +48,9 @@ class Outcome(Frozen):
     running: list[int] = Field(default_factory=list)
     crashed: dict[int, int | None] = Field(default_factory=dict)
     stacks: dict[int, str] = Field(default_factory=dict)
+    seen: dict[int, SeenLine] = Field(default_factory=dict)
+    """The target's own line of each rank that died or was still running at the deadline, as
+    far as the tier knows it (`SeenLine`): what no report carries."""
     latency_ms: float | None = None
     """Time from the event that made the outcome certain (the last rank blocking, returning or
     dying) to the outcome itself."""
@@ -73,6 +89,7 @@ class Coordinator:
         self.pending: dict[int, CollectiveCall] = {}
         self.finished: dict[int, float] = {}
         self.dead: dict[int, int | None] = {}
+        self.seen: dict[int, SeenLine] = {}
         self.outcome: Outcome | None = None
         self.released = 0
 
@@ -108,8 +125,12 @@ class Coordinator:
                 at,
             )
 
-    def on_crash(self, rank: int, exitcode: int | None, at: float) -> None:
+    def on_crash(
+        self, rank: int, exitcode: int | None, at: float, seen: SeenLine | None = None
+    ) -> None:
         self.dead[rank] = exitcode
+        if seen is not None and self.outcome is None:
+            self.seen[rank] = seen
         if self.outcome is None:
             how = f"exit code {exitcode}" if exitcode is not None else "unknown exit"
             self._decide(
@@ -118,9 +139,15 @@ class Coordinator:
                 at,
             )
 
-    def on_timeout(self, deadline_s: float, stacks: dict[int, str]) -> None:
+    def on_timeout(
+        self,
+        deadline_s: float,
+        stacks: dict[int, str],
+        seen: dict[int, SeenLine] | None = None,
+    ) -> None:
         if self.outcome is not None:
             return
+        self.seen.update(seen or {})
         running = self.running()
         parts = [f"no outcome within the {deadline_s:g} s deadline"]
         if running:
@@ -248,6 +275,7 @@ class Coordinator:
             running=self.running(),
             crashed=dict(self.dead),
             stacks=stacks or {},
+            seen=dict(self.seen),
             latency_ms=None if event_at is None else max(0.0, (now - event_at) * 1000.0),
         )
 

@@ -19,21 +19,37 @@ built-in reference: ``reference/``). Three lines are kept, as ``path:line in fun
 
 One `OwnLines` serves one process (every rank of the in-process tier shares its host's): events
 are told apart by frame, never by rank, so ranks in greenlets cannot mix their lines.
+
+A rank that died or was still running at the deadline sends no report; its line is what the
+tier saw (`SeenLine`), recorded at no cost to a run that ends well:
+
+* died in ``os._exit`` called from the target's code: the innermost frame of the target's files
+  then, written by the process to its ``.ended`` file on the way out (`record_exits`: the only
+  work is at the exit itself);
+* died of a fatal signal (``SIGSEGV``, ``SIGABRT``, ``SIGBUS``, ``SIGFPE``, ``SIGILL``): the
+  innermost frame of the target's files in the traceback ``faulthandler`` writes to the
+  ``.fatal`` file as the process dies (`death_line`);
+* killed (``SIGKILL``, ``SIGTERM``) or exited another way: no line, and the write-up says so
+  (with the last collective the rank was seen entering, where it entered one);
+* running at the deadline: the innermost frame of the target's files in its stack then
+  (`stack_site`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Mapping
 from types import CodeType, FrameType, FunctionType, ModuleType, TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
-from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.collectives.coordinator import Outcome, SeenLine
 from pipemetrics.sim.collectives.protocol import Done
 from pipemetrics.sim.model.layout import Frozen
-from pipemetrics.sim.model.target import API_FUNCTIONS
+from pipemetrics.sim.model.target import API_FUNCTIONS, TargetLoadError, resolve_builtin, spec_for
 
 TOOL_NAME = "pipemetrics.own_lines"
 FREE_TOOL_IDS = (3, 4)
@@ -84,6 +100,21 @@ class TargetFiles:
 
     def __hash__(self) -> int:
         return hash((self.files, self.directories))
+
+
+def target_files_for(target: str) -> TargetFiles:
+    """`TargetFiles` of a target by its name, without executing it (for the controller, which
+    reads the stacks of ranks that left no report); empty where it cannot be found."""
+    try:
+        spec = spec_for(resolve_builtin(target))
+    except (TargetLoadError, ImportError, ValueError):
+        return TargetFiles(frozenset())
+    origin = spec.origin
+    if not isinstance(origin, str):
+        return TargetFiles(frozenset())
+    if spec.submodule_search_locations is not None:
+        return TargetFiles(frozenset(), (os.path.dirname(origin) + os.sep,))
+    return TargetFiles(frozenset({origin}))
 
 
 def api_codes(module: ModuleType, files: TargetFiles) -> list[CodeType]:
@@ -222,6 +253,145 @@ class OwnLines:
 _RETURNING = OwnLines.returning.__code__
 
 
+# -- the lines no report carries: a death, a deadline ---------------------------------------------
+
+ENDED = ".ended"
+"""Suffix of the file a process writes where the target's code called ``os._exit``."""
+FATAL = ".fatal"
+"""Suffix of the file ``faulthandler`` writes a fatal signal's traceback to."""
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<function>\S+)')
+_FATAL_ERROR = re.compile(r"^Fatal Python error: (?P<what>.+)$", re.MULTILINE)
+
+
+def stack_site(text: str, files: TargetFiles) -> str | None:
+    """The innermost frame of the target's files in a stack as text: ``faulthandler``'s (most
+    recent call first, per thread) or ``traceback``'s (most recent call last)."""
+    newest_first = "most recent call first" in text
+    found = None
+    for line in text.splitlines():
+        frame = _FRAME.match(line)
+        if frame is None or frame["file"] not in files:
+            continue
+        found = f"{frame['file'].replace(os.sep, '/')}:{frame['line']} in {frame['function']}"
+        if newest_first:
+            return found
+    return found
+
+
+def record_exits(own: OwnLines, path: str, rank: Callable[[], int | None]) -> None:
+    """Make ``os._exit`` called from the target's code write, before the process ends, one
+    JSON line to ``path``: the rank ``rank()`` names, the exit code and the innermost frame
+    of the target's files. Nothing runs until ``os._exit`` is called; a call from anywhere
+    else (pipemetrics' own exits) writes nothing."""
+    real = os._exit
+    if getattr(real, "_pipemetrics_records", None) is not None:
+        real = real._pipemetrics_records  # type: ignore[attr-defined]
+
+    def _exit(status: int) -> NoReturn:
+        try:
+            site = own.innermost(sys._getframe(1))
+            if site is not None:
+                with open(path, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"rank": rank(), "code": status, "site": site}) + "\n")
+        except BaseException:  # the exit must happen whatever the record does
+            pass
+        real(status)
+
+    _exit._pipemetrics_records = real  # type: ignore[attr-defined]
+    os._exit = _exit
+
+
+def exit_records(path: str) -> list[dict[str, Any]]:
+    """The records `record_exits` wrote to ``path`` (none where it wrote none)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def died_how(exitcode: int | None) -> str:
+    """``exit code 3``, ``SIGSEGV``, or ``unknown exit``."""
+    if exitcode is None:
+        return "unknown exit"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def death_line(
+    stem: str, exitcode: int | None, files: TargetFiles, rank: int | None = None
+) -> SeenLine:
+    """Where a process that died was in the target's files, from what it left at ``stem`` +
+    `ENDED` (``os._exit``: the record of ``rank``, or the only one) or `FATAL` (a fatal
+    signal's traceback); otherwise no line, and why."""
+    how = died_how(exitcode)
+    records = exit_records(stem + ENDED)
+    mine = [r for r in records if rank is None or r.get("rank") in (rank, None)]
+    if mine and isinstance(mine[-1].get("site"), str):
+        return SeenLine(site=mine[-1]["site"], what=f"os._exit({mine[-1].get('code')})")
+    fatal = _read(stem + FATAL)
+    error = _FATAL_ERROR.search(fatal)
+    if error is not None:
+        site = stack_site(fatal, files)
+        if site is not None:
+            return SeenLine(site=site, what=how)
+        return SeenLine(
+            what=how, note=f"{error['what']} outside the target's own code (no frame of its files)"
+        )
+    if exitcode is not None and exitcode < 0:
+        return SeenLine(
+            what=f"killed by {how}",
+            note=f"no line: {how} ended the process at once, and it leaves no trace of where",
+        )
+    return SeenLine(
+        what=how,
+        note="no line: the process ended without leaving a record of where (no fatal signal, "
+        "and not through os._exit in the target's code)",
+    )
+
+
+def running_lines(
+    stacks: Mapping[int, str], ranks: list[int], files: TargetFiles
+) -> dict[int, SeenLine]:
+    """Each of ``ranks`` (running at the deadline): the innermost frame of the target's files
+    in its stack then, or why none is known."""
+    seen = {}
+    for rank in ranks:
+        stack = stacks.get(rank)
+        site = stack_site(stack, files) if stack else None
+        seen[rank] = (
+            SeenLine(site=site)
+            if site is not None
+            else SeenLine(
+                note="no line: no stack of the rank at the deadline"
+                if not stack
+                else "no line: no frame of the target's files on its stack at the deadline"
+            )
+        )
+    return seen
+
+
 # -- a run's lines, per rank ----------------------------------------------------------------------
 
 State = Literal["blocked", "raised", "returned", "died", "running"]
@@ -238,24 +408,30 @@ class TargetLine(Frozen):
     site: str | None = None
     """``path:line in function`` in the target's files; None where none is known."""
     what: str | None = None
-    """Blocked: the collective (``all_reduce``); raised: the exception's type."""
+    """Blocked: the collective (``all_reduce``); raised: the exception's type; died: how
+    (``SIGSEGV``, ``os._exit(3)``, ``killed by SIGKILL``)."""
+    note: str | None = None
+    """Died or running without a site: why no line is known (``no line: ...``)."""
 
     def text(self) -> str:
         if self.state == "blocked":
             head = f"blocked in {self.what}"
         elif self.state == "raised":
             head = f"raised {self.what}"
+        elif self.state == "died" and self.what is not None:
+            head = f"died ({self.what})"
         else:
             head = self.state
-        if self.state in ("died", "running"):
-            return head
         if self.site is None:
-            return f"{head} (no line of the target)"
+            if self.note is not None:
+                return f"{head}: {self.note}"
+            return head if self.state in ("died", "running") else f"{head} (no line of the target)"
         return f"{head} {'from' if self.state == 'returned' else 'at'} {self.site}"
 
     def as_json(self) -> dict[str, Any]:
         """``state``, ``site`` and its ``file``, ``line``, ``function`` (null where unknown),
-        ``what`` (the collective, the exception's type, or null)."""
+        ``what`` (the collective, the exception's type, how a rank died, or null), ``note``
+        (why a rank that died or was running has no line, or null)."""
         found = _SITE.match(self.site) if self.site is not None else None
         return {
             "state": self.state,
@@ -264,6 +440,7 @@ class TargetLine(Frozen):
             "function": found["function"] if found else None,
             "site": self.site,
             "what": self.what,
+            "note": self.note,
         }
 
 
@@ -280,12 +457,22 @@ def target_lines(outcome: Outcome, dones: Mapping[int, Done | None]) -> dict[int
     for rank in sorted(ranks | set(outcome.finished)):
         call = outcome.pending.get(rank)
         done = dones.get(rank)
+        seen = outcome.seen.get(rank)
         if call is not None:
             lines[rank] = TargetLine(state="blocked", site=call.target_site, what=call.op)
         elif rank in outcome.crashed or (outcome.kind == "crash" and done is None):
-            lines[rank] = TargetLine(state="died")
+            lines[rank] = TargetLine(
+                state="died",
+                site=seen.site if seen else None,
+                what=seen.what if seen else None,
+                note=seen.note if seen else None,
+            )
         elif rank in outcome.running:
-            lines[rank] = TargetLine(state="running")
+            lines[rank] = TargetLine(
+                state="running",
+                site=seen.site if seen else None,
+                note=seen.note if seen else None,
+            )
         elif done is not None and done.reports:
             report = done.reports[-1]
             if report.error is not None:
@@ -310,13 +497,22 @@ def lines_json(lines: Mapping[int, TargetLine]) -> dict[str, dict[str, Any]]:
 
 
 __all__ = [
+    "ENDED",
+    "FATAL",
     "HEADING",
     "OwnLines",
     "TargetFiles",
     "TargetLine",
     "api_codes",
+    "death_line",
+    "died_how",
+    "exit_records",
     "lines_json",
     "lines_text",
+    "record_exits",
+    "running_lines",
     "site",
+    "stack_site",
+    "target_files_for",
     "target_lines",
 ]

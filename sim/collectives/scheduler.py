@@ -13,7 +13,9 @@ dumps stacks and kills. Everything else is decided here, once, for both tiers (`
 * a broken collective (a rank raised inside a collective its peers were released into): a
   deadlock; over a real backend the peers are stuck inside it, past unwinding, so the world is
   dirty at once; a transport without one holds them blocked, and they are stopped like the rest;
-* a dead rank is a crash, and the world is dirty;
+* a dead rank is a crash, and the world is dirty; its own line of the target is the tier's
+  (`Died.seen`), else the last collective it was seen entering is named;
+* the deadline's stacks give each rank still running its own line of the target;
 * harness faults: when nothing else decided, a fault of pipemetrics in any rank is the outcome,
   the first in rank order (the lowest rank that reports one, whatever the order of arrival,
   so both tiers name the same fault for the same run);
@@ -31,8 +33,9 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Literal, Protocol
 
-from pipemetrics.sim.collectives.coordinator import Coordinator, Outcome
+from pipemetrics.sim.collectives.coordinator import Coordinator, Outcome, SeenLine
 from pipemetrics.sim.collectives.interrupt import raise_if_interrupted
+from pipemetrics.sim.collectives.own_lines import running_lines, target_files_for
 from pipemetrics.sim.collectives.protocol import CollectiveCall, Done, RunMode, Task
 from pipemetrics.sim.model.layout import Frozen
 from pipemetrics.sim.model.records import RankPlace
@@ -71,6 +74,9 @@ class Died(Frozen):
     kind: Literal["died"] = "died"
     rank: int
     exitcode: int | None
+    seen: SeenLine | None = None
+    """Where in the target's files it died, as far as the tier knows
+    (`pipemetrics.sim.collectives.own_lines.death_line`)."""
 
 
 class Stalled(Frozen):
@@ -171,6 +177,16 @@ def first_harness_fault(done: dict[int, Done]) -> str | None:
     return None
 
 
+def last_seen(seen: SeenLine | None, call: CollectiveCall | None) -> SeenLine | None:
+    """A dead rank's line: the tier's (``seen``), or, where that has none, the same with the
+    last collective the rank was seen entering (``call``) added to its note."""
+    if seen is None or seen.site is not None or call is None:
+        return seen
+    where = f" at {call.target_site}" if call.target_site else ""
+    note = f"{seen.note or 'no line'}; last seen entering {call.op} #{call.index}{where}"
+    return seen.model_copy(update={"note": note})
+
+
 def run_task(
     transport: Transport,
     task: Task,
@@ -191,20 +207,27 @@ def run_task(
     stranded: set[int] = set()
     """Ranks released into a collective one of whose members raised inside it."""
     stopped: set[int] = set()
+    entered: dict[int, CollectiveCall] = {}
+    """Each rank's last collective announced (what was last seen of a rank that dies)."""
     with transport.begin(task, scenario):
         if watchdog is not None:
-            watchdog.arm(transport, coordinator, deadline, scenario.deadline_s)
+            watchdog.arm(transport, coordinator, deadline, scenario.deadline_s, scenario.target)
         while not coordinator.all_finished():
             raise_if_interrupted()
             left = (unwind_until if unwind_until is not None else deadline) - time.monotonic()
             if left <= 0:
                 if unwind_until is None:
                     stuck = sorted(set(coordinator.running()) | set(coordinator.pending))
-                    coordinator.on_timeout(scenario.deadline_s, transport.dump_stacks(stuck))
+                    stacks = transport.dump_stacks(stuck)
+                    seen = running_lines(
+                        stacks, coordinator.running(), target_files_for(scenario.target)
+                    )
+                    coordinator.on_timeout(scenario.deadline_s, stacks, seen)
                 dirty = True
                 break
             event = transport.next_event(left)
             if isinstance(event, Called):
+                entered[event.call.rank] = event.call
                 if coordinator.outcome is not None:
                     transport.stop([event.call.rank], coordinator.outcome.message)
                     continue
@@ -224,7 +247,8 @@ def run_task(
                         m for m in broken[0].group_ranks if m not in done and m != event.rank
                     }
             elif isinstance(event, Died):
-                coordinator.on_crash(event.rank, event.exitcode, time.monotonic())
+                died = last_seen(event.seen, entered.get(event.rank))
+                coordinator.on_crash(event.rank, event.exitcode, time.monotonic(), died)
                 dirty = True
             elif isinstance(event, Stalled):
                 coordinator.on_harness_error(event.why)
@@ -274,14 +298,20 @@ class Watchdog:
         self._finished = threading.Event()
 
     def arm(
-        self, transport: Transport, coordinator: Coordinator, deadline: float, deadline_s: float
+        self,
+        transport: Transport,
+        coordinator: Coordinator,
+        deadline: float,
+        deadline_s: float,
+        target: str = "",
     ) -> None:
+        """``target``: the scenario's, whose files the stacks' own lines are found in."""
         with self.lock:
             self.sent = None
             self._finished = threading.Event()
         threading.Thread(
             target=self._watch,
-            args=(self._finished, transport, coordinator, deadline, deadline_s),
+            args=(self._finished, transport, coordinator, deadline, deadline_s, target),
             name="pipemetrics-watchdog",
             daemon=True,
         ).start()
@@ -299,13 +329,16 @@ class Watchdog:
         coordinator: Coordinator,
         deadline: float,
         deadline_s: float,
+        target: str,
     ) -> None:
         if finished.wait(max(0.0, deadline - time.monotonic()) + WATCHDOG_MARGIN_S):
             return
         with self.lock:
             if finished.is_set():
                 return
-            coordinator.on_timeout(deadline_s, transport.dump_stacks(sorted(transport.places)))
+            stacks = transport.dump_stacks(sorted(transport.places))
+            seen = running_lines(stacks, coordinator.running(), target_files_for(target))
+            coordinator.on_timeout(deadline_s, stacks, seen)
             assert coordinator.outcome is not None
             self.sent = TaskOutcome(
                 outcome=coordinator.outcome,
@@ -329,6 +362,7 @@ __all__ = [
     "Watchdog",
     "broken_collective",
     "first_harness_fault",
+    "last_seen",
     "require_mode",
     "run_task",
 ]

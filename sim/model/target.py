@@ -75,7 +75,7 @@ def load_target(target: str) -> ModuleType:
     defines can be pickled between ranks (``all_gather_object`` of a dataclass, say).
     """
     try:
-        spec = _spec_for(resolve_builtin(target))
+        spec = spec_for(resolve_builtin(target))
         module = importlib.util.module_from_spec(spec)
         assert spec.loader is not None
         sys.modules[spec.name] = module
@@ -89,7 +89,7 @@ def load_target(target: str) -> ModuleType:
     return module
 
 
-def _spec_for(target: str) -> importlib.machinery.ModuleSpec:
+def spec_for(target: str) -> importlib.machinery.ModuleSpec:
     if is_path_target(target):
         path = Path(target).expanduser().resolve()
         if not path.is_file():

@@ -189,6 +189,14 @@ def _finished_lines(own: TargetLine | None) -> list[str]:
     return [head, _clip_site(site)]
 
 
+def _seen_lines(own: TargetLine | None) -> list[str]:
+    """A dead or running rank's own line of the target: ``at`` its site (``os._exit(3)``,
+    ``SIGSEGV``), or nothing where none is known (the write-up's block says why)."""
+    if own is None or own.site is None:
+        return []
+    return [f"at {_clip_site(short_site(own.site), _SITE_WIDTH - 2)}"]
+
+
 def _state_lines(
     outcome: Outcome, rank: int, place: RankPlace | None, own: TargetLine | None = None
 ) -> list[str]:
@@ -196,12 +204,13 @@ def _state_lines(
         return _pending_lines(outcome.pending[rank], place, own)
     if rank in outcome.crashed:
         code = outcome.crashed[rank]
-        return [f"died (exit code {code})" if code is not None else "died (unknown exit code)"]
+        head = f"died (exit code {code})" if code is not None else "died (unknown exit code)"
+        return [head, *_seen_lines(own)]
     if rank in outcome.finished:
         return _finished_lines(own)
     if rank in outcome.running:
         if outcome.kind == "timeout":
-            return ["running (never reached a collective or returned)"]
+            return ["running (never reached a collective or returned)", *_seen_lines(own)]
         return ["running"]
     return ["unknown"]
 

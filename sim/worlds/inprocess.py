@@ -42,7 +42,7 @@ from megatron.core import parallel_state
 
 from pipemetrics.sim.collectives.coordinator import Outcome
 from pipemetrics.sim.collectives.interpose import COLLECTIVES, Binder, Interposer
-from pipemetrics.sim.collectives.own_lines import OwnLines
+from pipemetrics.sim.collectives.own_lines import ENDED, OwnLines, record_exits
 from pipemetrics.sim.collectives.protocol import (
     INPROCESS_MODES,
     CollectiveCall,
@@ -493,6 +493,11 @@ def host_main(
 
     def serve() -> None:
         host = InProcessHost(WorldSpec.model_validate_json(spec_json))
+        record_exits(
+            host.own_lines,
+            os.path.join(directory, f"host{ENDED}"),
+            lambda: host.current.rank if host.current is not None else None,
+        )
         conn.send(
             HostReady(places=host.places, pid=os.getpid(), startup_s=time.monotonic() - began)
         )

@@ -27,7 +27,15 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.collectives.coordinator import Outcome, SeenLine
+from pipemetrics.sim.collectives.own_lines import (
+    ENDED,
+    TargetFiles,
+    death_line,
+    exit_records,
+    stack_site,
+    target_files_for,
+)
 from pipemetrics.sim.collectives.protocol import (
     INPROCESS_MODES,
     HostReady,
@@ -231,7 +239,7 @@ class InProcessWorld(WorldBase):
             outcome, done, released = answer.outcome, answer.done, answer.released
             reusable = answer.reusable
         else:
-            outcome = self._silent_outcome(answer, deadline_s)
+            outcome = self._silent_outcome(answer, deadline_s, key[1])
             done, released, reusable = {}, 0, False
         assert isinstance(outcome, Outcome)
         failed = outcome.kind != "ok"
@@ -251,8 +259,9 @@ class InProcessWorld(WorldBase):
         if not reusable:
             self.kill()
 
-    def _silent_outcome(self, answer: object, deadline_s: float) -> Outcome:
+    def _silent_outcome(self, answer: object, deadline_s: float, scenario_json: str) -> Outcome:
         ranks = sorted(self.places)
+        files = target_files_for(Scenario.model_validate_json(scenario_json).target)
         if answer == "died":
             self._proc.join(1.0)
             code = self._proc.exitcode
@@ -261,14 +270,49 @@ class InProcessWorld(WorldBase):
                 message=f"the in-process host of {self.spec.key} died (exit code {code}) while "
                 "the task was running: a rank ended the process",
                 crashed={r: code for r in ranks},
+                seen=self._death_lines(ranks, code, files),
             )
+        stack = self._dump_stack()
+        site = stack_site(stack, files)
+        where = f"; the host's stack stood at {site}" if site else ""
+        note = (
+            "no line: the in-process host did not answer (a rank holds the interpreter), and "
+            f"which rank it was running is not recorded{where}"
+        )
         return Outcome(
             kind="timeout",
             message=f"no outcome within the {deadline_s:g} s deadline: the in-process host did "
             "not answer (a rank holds the interpreter); its stack is attached",
             running=ranks,
-            stacks={-1: self._dump_stack()},
+            stacks={-1: stack},
+            seen={r: SeenLine(note=note) for r in ranks},
         )
+
+    def _death_lines(
+        self, ranks: list[int], code: int | None, files: TargetFiles
+    ) -> dict[int, SeenLine]:
+        """Each rank's line when the host died: the rank whose ``os._exit`` ended it, at its
+        line; the others died with it. A fatal signal's traceback names no rank (the host runs
+        them all): its line is each rank's note, not its site."""
+        stem = os.path.join(self.directory, "host")
+        records = [r for r in exit_records(stem + ENDED) if isinstance(r.get("rank"), int)]
+        if records:
+            culprit = records[-1]["rank"]
+            ended = death_line(stem, code, files, rank=culprit)
+            other = SeenLine(
+                what=ended.what,
+                note=f"no line of its own: rank {culprit} ended the in-process host, which "
+                "runs every rank",
+            )
+            return {r: ended if r == culprit else other for r in ranks}
+        died = death_line(stem, code, files)
+        if died.site is not None:
+            died = SeenLine(
+                what=died.what,
+                note=f"no line of its own: the in-process host died at {died.site}, in the rank "
+                "it was running, which is not recorded (the host runs every rank)",
+            )
+        return {r: died for r in ranks}
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from pipemetrics.sim.collectives.interpose import Interposer
-from pipemetrics.sim.collectives.own_lines import OwnLines
+from pipemetrics.sim.collectives.own_lines import ENDED, FATAL, OwnLines, record_exits
 from pipemetrics.sim.collectives.protocol import (
     Abort,
     Call,
@@ -562,6 +562,10 @@ def _redirect_output(directory: str, name: str) -> Any:
     os.close(out)
     stacks = open(os.path.join(directory, f"{name}.stacks"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # a fatal signal's traceback: where a crashed rank was (`own_lines.death_line`), at no cost
+    # until the signal comes (kept open for the process's life, as faulthandler needs)
+    fatal = open(os.path.join(directory, f"{name}{FATAL}"), "w")  # noqa: SIM115
+    faulthandler.enable(file=fatal, all_threads=False)
     return stacks
 
 
@@ -626,6 +630,7 @@ def rank_main(
             timeout=datetime.timedelta(minutes=10),
         )
         server = RankServer(rank, conn, join_world(spec))
+        record_exits(server.own_lines, os.path.join(directory, f"rank{rank}{ENDED}"), lambda: rank)
         conn.send(Ready(place=server.place, pid=os.getpid(), startup_s=time.monotonic() - began))
         if not server.serve():
             orphaned_exit(leftovers)

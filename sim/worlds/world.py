@@ -33,6 +33,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, PrivateAttr
 
 from pipemetrics.sim.collectives.coordinator import Outcome
+from pipemetrics.sim.collectives.own_lines import death_line, target_files_for
 from pipemetrics.sim.collectives.protocol import (
     Abort,
     Call,
@@ -310,6 +311,8 @@ class World(WorldBase):
         """Events received and not yet handed to the scheduler."""
         self._returned: set[int] = set()
         self._died: set[int] = set()
+        self._target = ""
+        """The current task's target (whose files a dead rank's traceback is read for)."""
         self._closed = False
         super().__init__("pipemetrics-world-")
 
@@ -467,6 +470,7 @@ class World(WorldBase):
         self._events.clear()
         self._returned.clear()
         self._died.clear()
+        self._target = scenario.target
         for conn in self._conns:
             conn.send(task)
         yield
@@ -489,7 +493,10 @@ class World(WorldBase):
             if isinstance(item, int):
                 rank = sentinels[item]
                 self._died.add(rank)
-                self._events.append(Died(rank=rank, exitcode=self._procs[rank].exitcode))
+                code = self._procs[rank].exitcode
+                stem = os.path.join(self.directory, f"rank{rank}")
+                seen = death_line(stem, code, target_files_for(self._target))
+                self._events.append(Died(rank=rank, exitcode=code, seen=seen))
                 continue
             assert isinstance(item, Connection)
             rank = self._rank_of[id(item)]
