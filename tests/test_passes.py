@@ -25,7 +25,7 @@ from pipemetrics.properties.catalogue import (
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.engine import PropertyResult, real_test
-from pipemetrics.properties.passes import combined, run_pass
+from pipemetrics.properties.passes import combined, run_pass, run_pass_on
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.sim.collectives.interrupt import Interrupted
@@ -121,6 +121,44 @@ def test_a_pass_runs_each_scenario_once_and_each_property_reports_as_alone(
         assert (joint.id, joint.examples, joint.found_at) == (mine.id, mine.examples, mine.found_at)
         assert joint.counterexample == mine.counterexample
     assert together[0].examples >= 60
+    assert not _judging_threads()
+
+
+def test_one_pass_for_several_targets_reports_for_each_what_its_own_pass_does(
+    some_pool: TrackingPool, pool: TrackingPool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run_pass_on` with the reference and a copy that always reports a z_loss key, on the
+    pass of moe(): one draw for both, each scenario run once per target, and each target's
+    results (status, examples, found_at, counterexample) those of its own `run_pass`; options
+    that draw otherwise are refused."""
+    ids = ("moe.no_hang", "moe.values", "moe.names")
+    (held,) = passes([BY_ID[i] for i in ids])
+    mutant = str(write_mutant("moe_always_reports_z_loss", tmp_path / "targets"))
+    told = [options(t, tmp_path / name, 40) for t, name in ((DEFAULT_TARGET, "ref"), (mutant, "m"))]
+    tests: list[str] = []
+    original = passes_module.generator_test
+
+    def counted(generator: object, *args: object, **kwargs: object) -> object:
+        tests.append(str(generator))
+        return original(generator, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(passes_module, "generator_test", counted)
+    counting = Counting(some_pool)
+    both = run_pass_on([(held, o) for o in told], SharedRuns(counting), Coverage(), pool)
+    assert len(tests) == 1, "the pass drew more than once"
+    made = [s.model_dump_json(exclude={"property"}) for s in counting.scenarios]
+    assert len(made) == len(set(made)), "a scenario ran more than once on one target"
+    assert {s.target for s in counting.scenarios} == {DEFAULT_TARGET, mutant}
+    monkeypatch.setattr(passes_module, "generator_test", original)
+    own = [run_pass(held, SharedRuns(some_pool), o, Coverage(), pool) for o in told]
+    assert [[r.status for r in rs] for rs in both] == [["pass"] * 3, ["pass", "pass", "fail"]]
+    for joint, mine in zip(both, own, strict=True):
+        assert [(r.id, r.status, r.examples, r.found_at, r.counterexample) for r in joint] == [
+            (r.id, r.status, r.examples, r.found_at, r.counterexample) for r in mine
+        ]
+    other = dataclasses.replace(told[1], max_examples=41)
+    with pytest.raises(ValueError, match="draw alike"):
+        run_pass_on([(held, told[0]), (held, other)], some_pool, Coverage())
     assert not _judging_threads()
 
 
