@@ -57,6 +57,19 @@ def alone(
     return result, counting, coverage
 
 
+def tests_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The generators of the Hypothesis tests the passes build from now on (each a draw)."""
+    tests: list[str] = []
+    original = passes_module.generator_test
+
+    def counted(generator: object, *args: object, **kwargs: object) -> object:
+        tests.append(str(generator))
+        return original(generator, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(passes_module, "generator_test", counted)
+    return tests
+
+
 def test_the_passes_are_one_per_generator_judged_by_its_own_and_the_declared() -> None:
     """A pass per generator, in the catalogue's order, its own properties first; the declared
     judges join only passes of the same strategy, and only where chosen."""
@@ -102,14 +115,7 @@ def test_a_pass_runs_each_scenario_once_and_each_property_reports_as_alone(
     run_options = options(target, tmp_path, 60)
     ids = ("moe.no_hang", "moe.values", "moe.names")
     (held,) = passes([BY_ID[i] for i in ids])
-    tests: list[str] = []
-    original = passes_module.generator_test
-
-    def counted(generator: object, *args: object, **kwargs: object) -> object:
-        tests.append(str(generator))
-        return original(generator, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(passes_module, "generator_test", counted)
+    tests = tests_built(monkeypatch)
     counting = Counting(some_pool)
     together = run_pass(held, SharedRuns(counting), run_options, Coverage(), pool)
     assert len(tests) == 1, "the pass drew more than once"
@@ -135,21 +141,14 @@ def test_one_pass_for_several_targets_reports_for_each_what_its_own_pass_does(
     (held,) = passes([BY_ID[i] for i in ids])
     mutant = str(write_mutant("moe_always_reports_z_loss", tmp_path / "targets"))
     told = [options(t, tmp_path / name, 40) for t, name in ((DEFAULT_TARGET, "ref"), (mutant, "m"))]
-    tests: list[str] = []
-    original = passes_module.generator_test
-
-    def counted(generator: object, *args: object, **kwargs: object) -> object:
-        tests.append(str(generator))
-        return original(generator, *args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(passes_module, "generator_test", counted)
+    tests = tests_built(monkeypatch)
     counting = Counting(some_pool)
     both = run_pass_on([(held, o) for o in told], SharedRuns(counting), Coverage(), pool)
     assert len(tests) == 1, "the pass drew more than once"
     made = [s.model_dump_json(exclude={"property"}) for s in counting.scenarios]
     assert len(made) == len(set(made)), "a scenario ran more than once on one target"
     assert {s.target for s in counting.scenarios} == {DEFAULT_TARGET, mutant}
-    monkeypatch.setattr(passes_module, "generator_test", original)
+    monkeypatch.undo()  # the own passes below draw as usual
     own = [run_pass(held, SharedRuns(some_pool), o, Coverage(), pool) for o in told]
     assert [[r.status for r in rs] for rs in both] == [["pass"] * 3, ["pass", "pass", "fail"]]
     for joint, mine in zip(both, own, strict=True):
