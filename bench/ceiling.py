@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from pipemetrics.properties.catalogue import CATALOGUE, passes
+from pipemetrics.properties.catalogue import CATALOGUE
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import Semantic, get_effort
-from pipemetrics.properties.passes import run_pass
+from pipemetrics.properties.passes import passes, run_pass
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.sim.collectives.protocol import RunMode
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET, Scenario

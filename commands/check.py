@@ -45,7 +45,7 @@ from pipemetrics.commands.options import (
 from pipemetrics.commands.subcommand import Subcommand
 from pipemetrics.commands.worker_queue import Group, dispatch, groups_of, read_groups, say_done
 from pipemetrics.commands.workers import AUTO, usable_cores, worker_count, workers_value
-from pipemetrics.properties.catalogue import Property, passes
+from pipemetrics.properties.catalogue import Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import DEFAULT_DATABASE
 from pipemetrics.properties.effort import (
@@ -55,7 +55,7 @@ from pipemetrics.properties.effort import (
     get_effort,
 )
 from pipemetrics.properties.engine import PropertyResult
-from pipemetrics.properties.passes import combined, run_pass
+from pipemetrics.properties.passes import combined, passes, run_pass
 from pipemetrics.properties.referee import Referee
 from pipemetrics.properties.referee import apply as apply_disagreements
 from pipemetrics.properties.report import (

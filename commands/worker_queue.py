@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-from pipemetrics.properties.catalogue import Pass
+from pipemetrics.properties.passes import Pass
 
 DONE = "pipemetrics-worker: done"
 
@@ -45,7 +45,7 @@ class Group:
 
 
 def groups_of(held: Sequence[Pass]) -> list[Group]:
-    """One group per pass (`pipemetrics.properties.catalogue.passes`), its own properties, the
+    """One group per pass (`pipemetrics.properties.passes.passes`), its own properties, the
     largest first (then in the passes' order), numbered in that order."""
     ordered = sorted((tuple(p.id for p in each.own) for each in held), key=len, reverse=True)
     total = sum(len(ids) for ids in ordered)

@@ -44,7 +44,7 @@ In Markdown the document's key templates lost their underscores (``mtp_{i}loss``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
@@ -90,7 +90,7 @@ STRICT_ONLY: frozenset[Semantic] = frozenset({"strict"})
 class Generator:
     """A property's scenarios: a strategy of `pipemetrics.properties.strategies` and its
     arguments, as a value. The properties of one generator are judged in one pass of it
-    (`Pass`): each scenario drawn once, run once and judged by each."""
+    (`pipemetrics.properties.passes.Pass`): each scenario drawn once, run once, judged by each."""
 
     strategy: Callable[..., st.SearchStrategy[Scenario]]
     options: tuple[tuple[str, object], ...] = ()
@@ -549,54 +549,3 @@ ALSO_JUDGED_ON: dict[Generator, tuple[str, ...]] = {
 """Properties judged on the scenarios of a generator besides their own: each of those scenarios
 is one their own generator draws too (the comments say why), so they are judged on more of
 their own kind and never on one their own test could not draw."""
-
-
-@dataclass(frozen=True)
-class Pass:
-    """One generator's scenarios and the properties that judge each of them: those whose
-    generator it is first (a failure of theirs is shrunk on their own test), then those of
-    `ALSO_JUDGED_ON`."""
-
-    generator: Generator
-    judges: tuple[Property, ...]
-
-    def owns(self, prop: Property) -> bool:
-        """Whether ``prop``'s own generator is this pass's."""
-        return prop.scenarios == self.generator
-
-    @property
-    def own(self) -> tuple[Property, ...]:
-        return tuple(prop for prop in self.judges if self.owns(prop))
-
-
-def passes(chosen: Sequence[Property]) -> list[Pass]:
-    """The passes that judge ``chosen``: one per generator of theirs, in their order, each
-    judged by the properties of ``chosen`` whose generator it is, then by those of ``chosen``
-    declared for it in `ALSO_JUDGED_ON`."""
-    ids = {prop.id for prop in chosen}
-    out: dict[Generator, Pass] = {}
-    for prop in chosen:
-        if prop.scenarios not in out:
-            own = tuple(p for p in chosen if p.scenarios == prop.scenarios)
-            also = tuple(BY_ID[i] for i in ALSO_JUDGED_ON.get(prop.scenarios, ()) if i in ids)
-            out[prop.scenarios] = Pass(prop.scenarios, own + also)
-    return list(out.values())
-
-
-def judged_together(chosen: Sequence[Property]) -> dict[str, str]:
-    """Each property's group: the first property of the passes that share a judge with its own,
-    transitively (one pytest-xdist worker runs a group, each of its passes once)."""
-    group = {prop.id: prop.id for prop in chosen}
-
-    def root(pid: str) -> str:
-        while group[pid] != pid:
-            pid = group[pid]
-        return pid
-
-    for held in passes(chosen):
-        first = root(held.judges[0].id)
-        for prop in held.judges[1:]:
-            other = root(prop.id)
-            if other != first:
-                group[other] = first
-    return {prop.id: root(prop.id) for prop in chosen}

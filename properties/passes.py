@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 from hypothesis.database import ExampleDatabase
 
-from pipemetrics.properties.catalogue import Pass, Property, passes
+from pipemetrics.properties.catalogue import ALSO_JUDGED_ON, BY_ID, Generator, Property
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.drawing import (
     as_judged,
@@ -53,6 +53,57 @@ AHEAD = 16
 SENT_AHEAD = 4
 """Drawn scenarios sent to their worlds before the one being judged is run, at most: worlds of
 different shapes run theirs at the same time."""
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One generator's scenarios and the properties that judge each of them: those whose
+    generator it is first (a failure of theirs is shrunk on their own test), then those of
+    `ALSO_JUDGED_ON`."""
+
+    generator: Generator
+    judges: tuple[Property, ...]
+
+    def owns(self, prop: Property) -> bool:
+        """Whether ``prop``'s own generator is this pass's."""
+        return prop.scenarios == self.generator
+
+    @property
+    def own(self) -> tuple[Property, ...]:
+        return tuple(prop for prop in self.judges if self.owns(prop))
+
+
+def passes(chosen: Sequence[Property]) -> list[Pass]:
+    """The passes that judge ``chosen``: one per generator of theirs, in their order, each
+    judged by the properties of ``chosen`` whose generator it is, then by those of ``chosen``
+    declared for it in `ALSO_JUDGED_ON`."""
+    ids = {prop.id for prop in chosen}
+    out: dict[Generator, Pass] = {}
+    for prop in chosen:
+        if prop.scenarios not in out:
+            own = tuple(p for p in chosen if p.scenarios == prop.scenarios)
+            also = tuple(BY_ID[i] for i in ALSO_JUDGED_ON.get(prop.scenarios, ()) if i in ids)
+            out[prop.scenarios] = Pass(prop.scenarios, own + also)
+    return list(out.values())
+
+
+def judged_together(chosen: Sequence[Property]) -> dict[str, str]:
+    """Each property's group: the first property of the passes that share a judge with its own,
+    transitively (one pytest-xdist worker runs a group, each of its passes once)."""
+    group = {prop.id: prop.id for prop in chosen}
+
+    def root(pid: str) -> str:
+        while group[pid] != pid:
+            pid = group[pid]
+        return pid
+
+    for held in passes(chosen):
+        first = root(held.judges[0].id)
+        for prop in held.judges[1:]:
+            other = root(prop.id)
+            if other != first:
+                group[other] = first
+    return {prop.id: root(prop.id) for prop in chosen}
 
 
 @dataclass
@@ -326,7 +377,7 @@ def combined(results: Sequence[PropertyResult], order: Sequence[Pass]) -> list[P
 
 @dataclass
 class Passes:
-    """The passes of ``chosen`` (`pipemetrics.properties.catalogue.passes`), each run when a
+    """The passes of ``chosen`` (`passes`), each run when a
     property it judges first asks for its result (the pytest plugin's tests, one per property)."""
 
     chosen: Sequence[Property]

@@ -164,13 +164,14 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist's ``load`` distribution of the conformance suite: each test's result
     comes from the passes its worker runs, so the tests of passes that share a judge
-    (`pipemetrics.properties.catalogue.judged_together`) go to one worker, each pass run once
+    (`pipemetrics.properties.passes.judged_together`) go to one worker, each pass run once
     per run (xdist's scopes; its ``xdist_group`` marks do not survive pytest 9's node IDs)."""
     if getattr(config.option, "dist", "no") != "load" or not _runs_the_suite(config.args):
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-    from pipemetrics.properties.catalogue import CATALOGUE, judged_together
+    from pipemetrics.properties.catalogue import CATALOGUE
+    from pipemetrics.properties.passes import judged_together
 
     groups = judged_together(CATALOGUE)
 

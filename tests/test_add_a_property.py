@@ -27,8 +27,6 @@ from pipemetrics.properties.catalogue import (
     PROPERTY_IDS,
     Generator,
     Property,
-    judged_together,
-    passes,
 )
 from pipemetrics.properties.citations import Doc
 from pipemetrics.properties.combinations import (
@@ -40,7 +38,7 @@ from pipemetrics.properties.combinations import (
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.judging import checked
-from pipemetrics.properties.passes import run_pass
+from pipemetrics.properties.passes import judged_together, passes, run_pass
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.runview import call_views
 from pipemetrics.properties.selection import listing, named, select

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.properties import drawing, engine
-from pipemetrics.properties.catalogue import BY_ID, passes
+from pipemetrics.properties.catalogue import BY_ID
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.engine import real_test
-from pipemetrics.properties.passes import run_pass
+from pipemetrics.properties.passes import passes, run_pass
 from pipemetrics.sim.model.scenario import DEFAULT_TARGET
 
 from .conftest import TrackingPool

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.properties import passes as passes_module
-from pipemetrics.properties.catalogue import (
-    ALSO_JUDGED_ON,
-    BY_ID,
-    CATALOGUE,
-    Pass,
-    judged_together,
-    passes,
-)
+from pipemetrics.properties.catalogue import ALSO_JUDGED_ON, BY_ID, CATALOGUE
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.effort import EFFORTS
 from pipemetrics.properties.engine import PropertyResult, real_test
-from pipemetrics.properties.passes import combined, run_pass, run_pass_on
+from pipemetrics.properties.passes import (
+    Pass,
+    combined,
+    judged_together,
+    passes,
+    run_pass,
+    run_pass_on,
+)
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.sim.collectives.interrupt import Interrupted
@@ -57,7 +57,7 @@ def alone(
     return result, counting, coverage
 
 
-def tests_built(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+def built_tests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The generators of the Hypothesis tests the passes build from now on (each a draw)."""
     tests: list[str] = []
     original = passes_module.generator_test
@@ -115,7 +115,7 @@ def test_a_pass_runs_each_scenario_once_and_each_property_reports_as_alone(
     run_options = options(target, tmp_path, 60)
     ids = ("moe.no_hang", "moe.values", "moe.names")
     (held,) = passes([BY_ID[i] for i in ids])
-    tests = tests_built(monkeypatch)
+    tests = built_tests(monkeypatch)
     counting = Counting(some_pool)
     together = run_pass(held, SharedRuns(counting), run_options, Coverage(), pool)
     assert len(tests) == 1, "the pass drew more than once"
@@ -141,7 +141,7 @@ def test_one_pass_for_several_targets_reports_for_each_what_its_own_pass_does(
     (held,) = passes([BY_ID[i] for i in ids])
     mutant = str(write_mutant("moe_always_reports_z_loss", tmp_path / "targets"))
     told = [options(t, tmp_path / name, 40) for t, name in ((DEFAULT_TARGET, "ref"), (mutant, "m"))]
-    tests = tests_built(monkeypatch)
+    tests = built_tests(monkeypatch)
     counting = Counting(some_pool)
     both = run_pass_on([(held, o) for o in told], SharedRuns(counting), Coverage(), pool)
     assert len(tests) == 1, "the pass drew more than once"

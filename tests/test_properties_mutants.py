@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from pipemetrics.commands.replay import replay_main
-from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Generator, Pass, passes
+from pipemetrics.properties.catalogue import BY_ID, CATALOGUE, Generator
 from pipemetrics.properties.catalogue import PROPERTY_IDS as CATALOGUE_IDS
 from pipemetrics.properties.coverage import Coverage
 from pipemetrics.properties.diagnosis import PHRASES, Cause
 from pipemetrics.properties.effort import EFFORTS, get_effort
 from pipemetrics.properties.engine import PropertyResult
-from pipemetrics.properties.passes import combined, run_pass_on
+from pipemetrics.properties.passes import Pass, combined, passes, run_pass_on
 from pipemetrics.properties.run_options import RunOptions
 from pipemetrics.properties.shared import SharedRuns
 from pipemetrics.properties.tier import check_tier

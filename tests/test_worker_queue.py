@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import pytest
 
 from pipemetrics.commands.worker_queue import DONE, Group, dispatch, groups_of
-from pipemetrics.properties.catalogue import CATALOGUE, passes
+from pipemetrics.properties.catalogue import CATALOGUE
+from pipemetrics.properties.passes import passes
 
 #: Runs with megatron-core unreachable (ci/test.sh); the oldest release's leg leaves it out.
 pytestmark = pytest.mark.release_independent
