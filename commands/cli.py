@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from pipemetrics.commands.parser import build_parser
 from pipemetrics.sim.collectives.interrupt import Interrupted, SignalGuard
-from pipemetrics.sim.worlds.quiet import VERBOSE_ENV
+from pipemetrics.sim.worlds.quiet import VERBOSE_ENV, keep_compile_cache
 
 PARENT_POLL_S = 0.2
 
@@ -79,12 +79,7 @@ def _end_forkserver() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    # Importing megatron.core creates torch.compile's cache under the temp dir unless told
-    # otherwise: keep it a persistent cache instead of litter (before anything imports torch).
-    os.environ.setdefault(
-        "TORCHINDUCTOR_CACHE_DIR",
-        os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
-    )
+    keep_compile_cache()  # before anything imports torch
     with SignalGuard() as guard:
         unwound = False
         try:

@@ -36,6 +36,10 @@ os.environ["PIPEMETRICS_HYPOTHESIS_DB"] = "none"
 
 from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
 from pipemetrics.sim.worlds.pool import Tier, WorldPool
+from pipemetrics.sim.worlds.quiet import keep_compile_cache
+
+# This process imports megatron-core itself, as does every process it starts.
+keep_compile_cache()
 
 
 def _interrupt_on_sigterm(signum: int, frame: object) -> None:
@@ -199,8 +203,9 @@ def private_tmpdir() -> Iterator[Path]:
 
 
 def leftovers_in(tmp: Path) -> tuple[list[str], list[int]]:
-    """World directories under ``tmp``, and live processes started with TMPDIR=``tmp``."""
-    dirs = sorted(str(p) for p in tmp.glob("pipemetrics-world-*"))
+    """World directories and torch.compile caches (`keep_compile_cache`) under ``tmp``, and
+    live processes started with TMPDIR=``tmp``."""
+    dirs = sorted(str(p) for p in (*tmp.glob("pipemetrics-world-*"), *tmp.glob("torchinductor_*")))
     marker = f"TMPDIR={tmp}".encode()
     pids = []
     for proc in Path("/proc").iterdir():

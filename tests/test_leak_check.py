@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.quiet import COMPILE_CACHE_ENV
 
 from .conftest import (
     Bounds,
@@ -39,6 +40,33 @@ def test_holds_a_world(request):
     print("WORLD-UP", flush=True)
     time.sleep(3600)
 """
+
+
+LIBRARY_WORLDS = """
+from pipemetrics.sim.model.layout import WorldSpec
+from pipemetrics.sim.worlds.inprocess_world import inprocess_unsupported
+from pipemetrics.sim.worlds.pool import WorldPool
+
+for tier in ("process",) if inprocess_unsupported() else ("process", "inprocess"):
+    with WorldPool(max_ranks=2, tier=tier) as pool:
+        pool.world(WorldSpec(pp=2))
+"""
+
+
+def test_worlds_started_from_the_library_leave_no_compile_cache(bounds: Bounds) -> None:
+    """Importing megatron-core creates torch.compile's cache under the temporary directory
+    unless told otherwise. A library caller that sets nothing (no CLI, no conftest) starts worlds
+    of both tiers, whose processes import megatron-core: no cache, and nothing else, is left in
+    the temporary directory (`pipemetrics.sim.worlds.quiet.keep_compile_cache`)."""
+    env = {k: v for k, v in os.environ.items() if k != COMPILE_CACHE_ENV}
+    with private_tmpdir() as tmp:
+        done = subprocess.run(
+            [sys.executable, "-c", LIBRARY_WORLDS], env={**env, "TMPDIR": str(tmp)},
+            capture_output=True, text=True, timeout=bounds(4, 120),
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert not list(tmp.glob("torchinductor_*")), sorted(p.name for p in tmp.iterdir())
+        assert_no_leftovers(tmp)
 
 
 def test_a_survivor_is_found_and_a_reused_pid_is_not() -> None:

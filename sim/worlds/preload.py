@@ -8,7 +8,7 @@ fork server writes to the user's terminal.
 
 from __future__ import annotations
 
-from pipemetrics.sim.worlds.quiet import import_quietly
+from pipemetrics.sim.worlds.quiet import import_quietly, keep_compile_cache
 
 RANK_CODE = (
     "pipemetrics.sim.worlds.rank",
@@ -17,4 +17,5 @@ RANK_CODE = (
 )
 """The modules every forked process runs (they import torch and megatron-core)."""
 
+keep_compile_cache()  # every process forked later inherits it
 import_quietly(*RANK_CODE)

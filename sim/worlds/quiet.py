@@ -5,7 +5,8 @@ CUDA_HOME, no Transformer Engine, no Apex, no absl). `import_quietly` imports mo
 file descriptors 1 and 2 sent to a temporary file, so Python warnings, ``logging`` handlers and
 C-level prints are all held; the held text is written to stderr only when the import fails, or
 not held at all when `VERBOSE_ENV` is ``1`` (``pipemetrics ... -v`` sets it for every process
-it starts: the fork server, ranks and the target's probe inherit it).
+it starts: the fork server, ranks and the target's probe inherit it). `keep_compile_cache`
+keeps what the import of megatron-core writes to disk out of the temporary directory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ import tempfile
 
 VERBOSE_ENV = "PIPEMETRICS_VERBOSE"
 """``1``: show what imports of torch and megatron-core print (``-v``)."""
+
+
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def keep_compile_cache() -> None:
+    """Point torch.compile's cache, which importing megatron-core creates (as
+    ``torchinductor_<user>`` under the temporary directory, unless told otherwise), at a
+    persistent cache of pipemetrics' (``~/.cache/pipemetrics/torchinductor``), so that no run
+    leaves it behind as litter; a cache directory the environment already names is kept. Call it
+    before anything imports torch; the processes started later inherit it."""
+    os.environ.setdefault(
+        COMPILE_CACHE_ENV,
+        os.path.join(os.path.expanduser("~"), ".cache", "pipemetrics", "torchinductor"),
+    )
 
 
 def verbose() -> bool:
