@@ -139,7 +139,10 @@ def interrupt(
             assert wait_for(lambda: ready(proc), bounds(12, 120)), lines.text(0)
         pids = descendants(proc.pid)
         proc.send_signal(how)
-        proc.wait(timeout=bounds(3, 60))
+        try:
+            proc.wait(timeout=bounds(3, 60))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {bounds(3, 60):.0f} s after {how.name}:\n{lines.text(0)}")
         output = lines.text()
         assert proc.returncode == 128 + how, output[-4000:]
         assert f"interrupted by {how.name}" in output, output[-4000:]
