@@ -56,6 +56,19 @@ FOUND_IN: dict[str, str] = {
     "mtp_gated_on_virtual_last_stage": "depth",  # 1,386 / 204 (pp = 2, vpp = 2)
     "moe_steady_state_decided_locally": "programs",  # 937 / 93 (a forward-only step first)
     "broadcast_global_src_as_group_src": "broadcast",  # 383 / 201 (a subgroup of dp = 3)
+    # 5 s or more each in CI over every concerning family
+    "broadcast_dtype_type_error": "broadcast_invalid",  # 178 / 2
+    "broadcast_local_buffer_check": "broadcast_invalid",  # 217 / 1
+    "moe_dp_avg_over_expert_data_group": "layouts",  # 387 / 11 (ep = 2 with dp = 2)
+    "moe_empty_stage_returns_early": "arguments",  # 369 / 69 (pp = 2, stage 0 dense)
+    "moe_local_insertion_order": "arguments",  # 369 / 69
+    "moe_placeholder_skips_dp_avg": "arguments",  # 369 / 69
+    "moe_plan_cached_after_first_call": "programs",  # 185 / 13
+    "moe_preinit_without_mtp": "arguments",  # 369 / 69
+    "mtp_acceptance_scaled": "depth",  # 159 / 11 (two MTP layers)
+    "mtp_acceptance_unclamped_total": "programs",  # 213 / 41
+    "mtp_empty_layer_rate_hundred": "programs",  # 213 / 41
+    "mtp_reduce_on_logging_rank_only": "layouts",  # 395 / 19 (dp = 2)
 }
 
 
