@@ -36,10 +36,6 @@ def four_digits(value: float) -> float:
     return float(f"{value:.4g}")
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def machine_info() -> dict[str, Any]:
     def version(name: str) -> str | None:
         try:
