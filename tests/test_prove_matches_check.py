@@ -50,7 +50,8 @@ def test_the_default_bound_proves_a_correct_implementation(tmp_path: Path, targe
 #: alone and meets the same case after far fewer. Measured 2026-12-08 on 0.19.2, cases run
 #: before the failing one over every concerning family / in this family alone: see each line.
 #: A family that stops holding a failure makes the test fail (re-measure: `prove` with every
-#: concerning family and ``stop_at_first`` names the case, whose key starts with its family).
+#: concerning family and ``stop_at_first`` names the case, whose key's first ``|`` field is
+#: its family).
 FOUND_IN: dict[str, str] = {
     "moe_mtp_slots_only_on_last_stage": "flexible",  # 1,826 / 211 (MTP on stage 0 of pp = 2)
     "mtp_gated_on_virtual_last_stage": "depth",  # 1,386 / 204 (pp = 2, vpp = 2)
@@ -70,6 +71,12 @@ FOUND_IN: dict[str, str] = {
     "mtp_empty_layer_rate_hundred": "programs",  # 213 / 41
     "mtp_reduce_on_logging_rank_only": "layouts",  # 395 / 19 (dp = 2)
 }
+
+
+def test_found_in_names_mutants_and_their_families() -> None:
+    """A renamed mutant or family cannot leave an entry of `FOUND_IN` that nothing reads."""
+    assert set(FOUND_IN) <= set(MUTANTS), sorted(set(FOUND_IN) - set(MUTANTS))
+    assert set(FOUND_IN.values()) <= {f.name for f in FAMILIES}, FOUND_IN
 
 
 @pytest.fixture(scope="module")
